@@ -1,0 +1,56 @@
+"""What every command shares: the Typer app, config loading, one-line user errors."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+from rich.console import Console
+
+from opd_cache.config import Config, load_config
+
+app = typer.Typer(
+    name="opd",
+    help="On-policy distillation with the teacher's outputs as a dataset: rollout -> annotate -> train.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+# Options every stage accepts (declare as `config: ConfigOpt = None, sets: SetOpt = None`).
+ConfigOpt = typer.Option(None, "--config", help="YAML file with store/rollout/annotate/train/... sections.")
+SetOpt = typer.Option(None, "--set", help="Override any config key: --set train.lr=3e-4 (repeatable).")
+
+
+def user_errors(fn: Callable) -> Callable:
+    """Turn the errors a user can fix (bad flags, files, stores) into one red line and exit status 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from opd_cache.store import StoreError
+
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, StoreError, FileNotFoundError, PermissionError) as e:
+            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def stage_config(config: Optional[Path], sets: Optional[list[str]], **flags: Any) -> Config:
+    """Config from the YAML file, then the stage's flags (dotted keys, None = not given), then --set."""
+    return load_config(config, overrides=flags, sets=sets)
+
+
+def not_implemented(name: str) -> None:
+    err_console.print(f"[bold red]error:[/] `opd {name}` is not implemented yet")
+    sys.exit(2)

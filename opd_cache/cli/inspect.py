@@ -1,0 +1,110 @@
+"""`opd inspect SHARD`: what is in a shard, for people (`--json` for machines)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import typer
+
+from opd_cache.cli.common import app, console, user_errors
+from opd_cache.schema import ROLLOUT, list_lengths, read_shard
+from opd_cache.store import Store
+
+
+def open_shard(shard: str) -> tuple[Store, str, pa.Table, object]:
+    """Open a shard given by path or URI, without run checks (inspect must work on any shard)."""
+    parent, _, name = shard.rstrip("/").rpartition("/")
+    store = Store(parent or ".")
+    table, meta = read_shard(store, name)
+    return store, name, table, meta
+
+
+def _find_store_root(shard: str) -> Store | None:
+    """rollouts/<id>.arrow and annotated/<id>/<teacher>.arrow live one or two levels below the store root."""
+    path = Path(shard)
+    for root in (path.parent.parent, path.parent.parent.parent):
+        if (root / "run.json").exists():
+            return Store(root)
+    return None
+
+
+def describe_shard(shard: str) -> dict:
+    _, _, table, meta = open_shard(shard)
+    info = {"path": shard, "metadata": {k: v for k, v in vars(meta).items()}, "rows": table.num_rows,
+            "columns": table.schema.names}
+    if meta.kind == ROLLOUT:
+        prompt_len, response_len = list_lengths(table["prompt_ids"]), list_lengths(table["response_ids"])
+        info["prompt_tokens"] = int(prompt_len.sum())
+        info["response_tokens"] = int(response_len.sum())
+        info["response_tokens_mean"] = float(response_len.mean()) if len(response_len) else 0.0
+        finish = table["finish_reason"].value_counts().to_pylist()
+        info["finish_reasons"] = {d["values"]: d["counts"] for d in finish}
+    else:
+        positions = list_lengths(table["teacher_token_logprob"])
+        info["response_tokens"] = int(positions.sum())
+    return info
+
+
+def _decode(tokenizer, ids) -> str:
+    if tokenizer is None:
+        return " ".join(map(str, ids))
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@app.command("inspect")
+@user_errors
+def inspect_command(
+    shard: str = typer.Argument(..., help="Path or URI of a rollout or annotated shard (.arrow)."),
+    sample: int = typer.Option(0, "--sample", help="Which row to show."),
+    tokenizer_path: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer to decode ids (default: the run's student)."),
+    as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
+) -> None:
+    """Print a shard's metadata, row and token counts, and one sample."""
+    info = describe_shard(shard)
+    _, _, table, meta = open_shard(shard)
+    if table.num_rows and not 0 <= sample < table.num_rows:
+        raise ValueError(f"--sample {sample}: the shard has rows 0..{table.num_rows - 1}")
+    row = table.slice(sample, 1).to_pylist()[0] if table.num_rows else None
+    if as_json:
+        info["sample"] = row
+        print(json.dumps(info, default=str))
+        return
+
+    tokenizer = None
+    store = _find_store_root(shard)
+    run = store.read_run() if store else None
+    tok_path = tokenizer_path or (run or {}).get("student")
+    if tok_path:
+        try:
+            from opd_cache.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(tok_path)
+        except Exception:  # decoding is a convenience; ids are still shown
+            tokenizer = None
+
+    console.print(f"[bold]{shard}[/]")
+    for key, value in info["metadata"].items():
+        console.print(f"  {key:22s} {value}")
+    console.print(f"  {'rows':22s} {info['rows']}")
+    for key in ("prompt_tokens", "response_tokens", "response_tokens_mean", "finish_reasons"):
+        if key in info:
+            console.print(f"  {key:22s} {info[key]}")
+    if row is None:
+        return
+    console.print(f"\n[bold]sample {sample}[/] ({row['sample_id']})")
+    if meta.kind == ROLLOUT:
+        console.print(f"  prompt:   {_decode(tokenizer, row['prompt_ids'])!r}", highlight=False)
+        console.print(f"  response: {_decode(tokenizer, row['response_ids'])!r}", highlight=False)
+        lp = np.array(row["behavior_logprobs"], dtype=np.float64)
+        if len(lp):
+            console.print(f"  behavior log-prob: sum {lp.sum():.3f}, mean {lp.mean():.3f}")
+    else:
+        lp = np.array(row["teacher_token_logprob"], dtype=np.float64)
+        console.print(f"  positions: {len(lp)}; teacher log-prob of sampled tokens: sum {lp.sum():.3f}")
+        if len(lp):
+            top = row["teacher_topk_ids"][0][:5]
+            console.print(f"  position 0 teacher top ids: {top}")

@@ -1,0 +1,9 @@
+"""`opd report`: not built yet."""
+
+from opd_cache.cli.common import app, not_implemented
+
+
+@app.command("report", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def report_command() -> None:
+    """Not implemented yet."""
+    not_implemented("report")

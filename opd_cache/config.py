@@ -1,0 +1,235 @@
+"""Typed configuration of every stage.
+
+One YAML file can hold all sections (`store`, `rollout`, `annotate`, `train`,
+`run`, `eval`); each stage reads the sections it needs. Values are layered:
+
+    defaults  <  YAML file (--config)  <  stage flags  <  --set dotted.key=value
+
+Unknown keys and wrong types fail with a message naming the key, the value and
+what was expected (pydantic does the checking; `format_validation_error`
+turns its report into one line per problem).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix; the message says which key and what was expected."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StoreConfig(Section):
+    uri: str = "store"  # a directory, file://…, s3://bucket/prefix, gs://…
+    s3_endpoint: str | None = None  # e.g. http://127.0.0.1:9000 for MinIO / moto
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)  # 0 = no top-k filtering
+    max_new_tokens: int = Field(256, ge=1)
+    stop: list[str] = []
+
+
+class RolloutConfig(Section):
+    student: str | None = None  # version 0; defaults to run.json's student
+    prompts: str | None = None
+    n: int = Field(4, ge=1)  # samples per prompt
+    sampling: SamplingConfig = SamplingConfig()
+    max_prompt_tokens: int = Field(1024, ge=1)
+    truncate_prompts: bool = False  # skip (and count) over-long prompts instead of failing
+    batch_prompts: int = Field(16, ge=1)  # prompts per generate() call
+    flush_rows: int = Field(256, ge=1)
+    flush_seconds: float = Field(60.0, gt=0)
+    max_samples: int | None = Field(None, ge=1)
+    max_shards: int | None = Field(None, ge=1)
+    worker_id: str = "w00"
+    engine: Literal["hf", "vllm"] = "hf"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "auto"
+    attn_implementation: str = "sdpa"
+    tensor_parallel_size: int = Field(1, ge=1)
+    student_topk: int = Field(0, ge=0)  # record the student's top-k ids per position (union support)
+    seed: int = 0
+    follow: bool = False  # keep running until the trainer's DONE marker
+    max_buffer_samples: int = Field(4096, ge=1)  # pause while the unconsumed backlog is larger
+    max_staleness: int = Field(2, ge=0)  # pause while the loaded policy is further behind LATEST
+    poll_seconds: float = Field(1.0, gt=0)
+    trust_remote_code: bool = False
+
+
+class AnnotateConfig(Section):
+    teacher: str | None = None
+    teacher_name: str = "teacher"
+    top_k: int = Field(32, ge=1)
+    dtype: Literal["float16", "float32"] = "float32"  # storage dtype of the top-k log-probs
+    model_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_tokens_per_batch: int = Field(16384, ge=1)
+    max_shards: int | None = Field(None, ge=1)
+    worker_index: int = Field(0, ge=0)
+    num_workers: int = Field(1, ge=1)
+    engine: Literal["hf", "vllm"] = "hf"
+    device: str = "auto"
+    attn_implementation: str = "sdpa"
+    tensor_parallel_size: int = Field(1, ge=1)
+    compression: Literal["none", "zstd", "lz4"] = "none"
+    routing_key: str = "data_source"
+    # multi-teacher routing: routing-key value -> teacher name. Without routing one teacher annotates
+    # every row; with routing a row whose key is not listed goes to `default_teacher` (None: no teacher).
+    routing: dict[str, str] = {}
+    default_teacher: str | None = None
+    follow: bool = False
+    max_staleness: int | None = Field(None, ge=0)  # skip shards the trainer can no longer use
+    poll_seconds: float = Field(1.0, gt=0)
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _worker_in_range(self):
+        if self.worker_index >= self.num_workers:
+            raise ValueError(f"worker_index {self.worker_index} must be < num_workers {self.num_workers}")
+        return self
+
+
+class TrainConfig(Section):
+    student: str | None = None
+    loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd | k2 | k3 | abs | pg (policy-gradient OPD)
+    tail: Literal["bucket", "renorm", "none"] = "bucket"
+    support: Literal["teacher", "union"] = "teacher"
+    beta: float = Field(0.5, ge=0, le=1)
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    max_steps: int = Field(100, ge=1)
+    max_staleness: int = Field(2, ge=0)
+    publish_every: int = Field(1, ge=1)
+    save_every: int = Field(10, ge=1)
+    global_batch_samples: int | None = Field(64, ge=1)
+    global_batch_tokens: int | None = Field(None, ge=1)
+    micro_batch_tokens: int = Field(8192, ge=1)
+    lr: float = Field(1e-5, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    chunk_size: int = Field(1024, ge=1)  # tokens per chunk of the fused loss
+    # policy-gradient OPD and off-policy correction
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0)
+    importance_cap: float | None = Field(None, gt=0)  # truncated IS weight min(exp(s - s_behavior), c)
+    task_reward_weight: float = Field(0.0, ge=0)  # 0 = pure distillation; >0 adds GRPO task loss
+    distill_weight: float = Field(1.0, ge=0)  # λ in total = task loss + λ·distillation
+    activation_checkpointing: bool = False
+    mixed_precision: Literal["auto", "off", "bf16"] = "auto"
+    device: str = "auto"
+    seed: int = 0
+    follow: bool = False
+    poll_seconds: float = Field(1.0, gt=0)
+    tensorboard: bool = False
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _one_batch_unit(self):
+        if self.global_batch_tokens is not None and "global_batch_samples" in self.model_fields_set:
+            raise ValueError("set only one of global_batch_samples and global_batch_tokens")
+        if self.global_batch_tokens is not None:
+            object.__setattr__(self, "global_batch_samples", None)
+        return self
+
+
+class EvalConfig(Section):
+    prompts: str | None = None
+    teacher: str | None = None
+    max_prompts: int = Field(200, ge=1)
+    n: int = Field(1, ge=1)
+    greedy: bool = True
+    max_new_tokens: int = Field(32, ge=1)
+
+
+class RunConfig(Section):
+    """`opd run`: the three stages as processes on one store."""
+
+    rollout_workers: int = Field(1, ge=1)
+    annotate_workers: int = Field(1, ge=1)
+    max_restarts: int = Field(3, ge=0)
+    sync: bool = False
+    evaluate: bool = True
+
+
+class Config(Section):
+    store: StoreConfig = StoreConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    annotate: AnnotateConfig = AnnotateConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    run: RunConfig = RunConfig()
+
+
+def parse_set(assignment: str) -> tuple[str, Any]:
+    """`train.lr=3e-4` -> ("train.lr", 0.0003); the value is parsed as YAML (numbers, bools, lists)."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {assignment!r}: expected dotted.key=value, e.g. --set train.lr=3e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def _assign(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key {dotted!r}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                sets: list[str] | None = None) -> Config:
+    """Build the config: defaults < YAML file < `overrides` (stage flags, dotted keys) < `sets`."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"--config {path}: file not found")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {path}: not valid YAML ({e})") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config {path}: expected a mapping of sections, got {type(loaded).__name__}")
+        tree = loaded
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _assign(tree, key, value)
+    for assignment in sets or []:
+        _assign(tree, *parse_set(assignment))
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source=str(path) if path else None)) from None
+
+
+def format_validation_error(error: ValidationError, source: str | None = None) -> str:
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(p) for p in item["loc"]) or "(config)"
+        value = item.get("input")
+        if item["type"] == "extra_forbidden":
+            lines.append(f"unknown config key {key!r} (value {value!r}); check the spelling against `docs/configuration.md`")
+        else:
+            lines.append(f"config key {key!r} = {value!r}: {item['msg']}")
+    where = f" in {source}" if source else ""
+    return f"invalid configuration{where}: " + "; ".join(lines)

@@ -1,0 +1,325 @@
+"""Arrow schemas of rollout and annotated shards, their metadata, and their validation.
+
+Shards are Arrow IPC *stream* files (uncompressed by default), so
+`datasets.Dataset.from_file`, `pyarrow`, `polars` and `duckdb` read them
+without this package, and local reads are zero-copy through a memory map.
+
+Per-token columns are `list<…>` with one entry per response token; per-token
+top-k columns are `list<fixed_size_list<…, k>>`, so a whole column decodes to a
+dense `[total_tokens, k]` array without any per-row work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+SCHEMA_VERSION = 1
+ROLLOUT = "rollout"
+ANNOTATED = "annotated"
+
+# Metadata keys every shard carries (values are strings).
+META_KIND = "opd.kind"
+META_SCHEMA_VERSION = "opd.schema_version"
+META_RUN_ID = "opd.run_id"
+META_TOKENIZER = "opd.tokenizer_fingerprint"
+META_SHARD_ID = "opd.shard_id"
+META_POLICY_VERSION = "opd.policy_version"
+META_TOP_K = "opd.top_k"
+META_TEACHER = "opd.teacher"
+META_TEMPERATURE = "opd.teacher_temperature"
+META_STUDENT_TOPK = "opd.student_topk"
+
+
+class ShardError(ValueError):
+    """A shard that cannot be used: truncated, foreign, from another run, or internally inconsistent."""
+
+
+def rollout_schema(student_topk: int = 0) -> pa.Schema:
+    fields = [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("prompt_index", pa.int64(), nullable=False),
+        pa.field("sample_index", pa.int32(), nullable=False),
+        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("behavior_logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("policy_version", pa.int32(), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("data_source", pa.string()),
+        pa.field("ground_truth", pa.string()),
+        pa.field("extra", pa.string()),
+    ]
+    if student_topk:
+        fields.insert(6, pa.field("student_topk_ids", pa.list_(pa.list_(pa.int32(), student_topk))))
+    return pa.schema(fields)
+
+
+def annotated_schema(top_k: int, logprob_dtype: str = "float32", support_k: int = 0) -> pa.Schema:
+    value_type = {"float16": pa.float16(), "float32": pa.float32()}.get(logprob_dtype)
+    if value_type is None:
+        raise ValueError(f"logprob dtype {logprob_dtype!r} is not supported: use float16 or float32")
+    fields = [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("teacher_topk_ids", pa.list_(pa.list_(pa.int32(), top_k)), nullable=False),
+        pa.field("teacher_topk_logprobs", pa.list_(pa.list_(value_type, top_k)), nullable=False),
+        pa.field("teacher_token_logprob", pa.list_(pa.float32()), nullable=False),
+    ]
+    if support_k:
+        fields.append(pa.field("teacher_support_logprobs", pa.list_(pa.list_(pa.float32(), support_k))))
+    return pa.schema(fields)
+
+
+# ---------------------------------------------------------------- building columns
+def offsets_from_lengths(lengths: np.ndarray) -> np.ndarray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+def ragged(values: np.ndarray, lengths: np.ndarray, value_type: pa.DataType | None = None) -> pa.ListArray:
+    """A `list<value>` column from a flat array and per-row lengths (no per-row Python work)."""
+    flat = pa.array(np.ascontiguousarray(values), type=value_type)
+    return pa.ListArray.from_arrays(pa.array(offsets_from_lengths(np.asarray(lengths))), flat)
+
+
+def ragged_fixed(values: np.ndarray, lengths: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
+    """A `list<fixed_size_list<value, k>>` column from a `[total_tokens, k]` array and per-row lengths."""
+    values = np.ascontiguousarray(values)
+    k = values.shape[1]
+    inner = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), type=value_type), k)
+    return pa.ListArray.from_arrays(pa.array(offsets_from_lengths(np.asarray(lengths))), inner)
+
+
+def flat_values(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """All values of a `list<…>` (or `list<fixed_size_list<…>>`) column, concatenated, as numpy.
+
+    For fixed-size inner lists the result is `[total_tokens, k]`. Zero-copy when
+    the column has one chunk and no nulls.
+    """
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    inner = column.flatten()
+    if pa.types.is_fixed_size_list(inner.type):
+        k = inner.type.list_size
+        return inner.flatten().to_numpy(zero_copy_only=False).reshape(-1, k)
+    return inner.to_numpy(zero_copy_only=False)
+
+
+def list_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+# ---------------------------------------------------------------- metadata
+@dataclass
+class ShardMeta:
+    kind: str
+    run_id: str
+    tokenizer_fingerprint: str
+    shard_id: str
+    policy_version: int
+    top_k: int | None = None
+    teacher: str | None = None
+    student_topk: int = 0
+    schema_version: int = SCHEMA_VERSION
+
+    def to_metadata(self) -> dict[bytes, bytes]:
+        meta = {
+            META_KIND: self.kind,
+            META_SCHEMA_VERSION: str(self.schema_version),
+            META_RUN_ID: self.run_id,
+            META_TOKENIZER: self.tokenizer_fingerprint,
+            META_SHARD_ID: self.shard_id,
+            META_POLICY_VERSION: str(self.policy_version),
+            META_STUDENT_TOPK: str(self.student_topk),
+        }
+        if self.top_k is not None:
+            meta[META_TOP_K] = str(self.top_k)
+        if self.teacher is not None:
+            meta[META_TEACHER] = self.teacher
+            meta[META_TEMPERATURE] = "1.0"  # teacher log-probs are always of the raw distribution
+        return {k.encode(): v.encode() for k, v in meta.items()}
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[bytes, bytes] | None, where: str) -> "ShardMeta":
+        meta = {k.decode(): v.decode() for k, v in (metadata or {}).items()}
+        if META_KIND not in meta:
+            raise ShardError(f"{where}: not an opd_cache shard (no '{META_KIND}' in the Arrow schema metadata)")
+        version = int(meta.get(META_SCHEMA_VERSION, "-1"))
+        if version != SCHEMA_VERSION:
+            raise ShardError(f"{where}: schema version {version}, this opd_cache reads version {SCHEMA_VERSION}")
+        return cls(
+            kind=meta[META_KIND],
+            run_id=meta.get(META_RUN_ID, ""),
+            tokenizer_fingerprint=meta.get(META_TOKENIZER, ""),
+            shard_id=meta.get(META_SHARD_ID, ""),
+            policy_version=int(meta.get(META_POLICY_VERSION, "0")),
+            top_k=int(meta[META_TOP_K]) if META_TOP_K in meta else None,
+            teacher=meta.get(META_TEACHER),
+            student_topk=int(meta.get(META_STUDENT_TOPK, "0")),
+            schema_version=version,
+        )
+
+
+# ---------------------------------------------------------------- write / read
+def write_shard(store, rel: str, table: pa.Table, meta: ShardMeta, compression: str | None = None) -> None:
+    """Validate `table` and publish it atomically at `rel` as an Arrow IPC stream."""
+    validate_table(table, meta, where=rel)
+    table = table.replace_schema_metadata(meta.to_metadata())
+    options = pa.ipc.IpcWriteOptions(compression=compression)
+
+    def write(out):
+        with pa.ipc.new_stream(out, table.schema, options=options) as writer:
+            writer.write_table(table)
+
+    store.write_atomic(rel, write)
+
+
+def read_shard(store, rel: str, *, kind: str | None = None, run: dict | None = None) -> tuple[pa.Table, ShardMeta]:
+    """Read and validate a shard; raises ShardError naming the file and the problem."""
+    where = store.path(rel)
+    try:
+        with store.open_input_file(rel) as source:
+            table = pa.ipc.open_stream(source).read_all()
+    except FileNotFoundError:
+        raise
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError, EOFError) as e:
+        raise ShardError(f"{where}: truncated or not an Arrow IPC stream ({e})") from e
+    meta = ShardMeta.from_metadata(table.schema.metadata, where)
+    if kind is not None and meta.kind != kind:
+        raise ShardError(f"{where}: is a {meta.kind!r} shard, expected {kind!r}")
+    if run is not None:
+        if meta.run_id != run.get("run_id"):
+            raise ShardError(f"{where}: belongs to run {meta.run_id!r}, this store is run {run.get('run_id')!r}")
+        fp = run.get("tokenizer_fingerprint")
+        if fp and meta.tokenizer_fingerprint != fp:
+            raise ShardError(
+                f"{where}: written with tokenizer {meta.tokenizer_fingerprint!r}, this run uses {fp!r}"
+            )
+    validate_table(table, meta, where=where)
+    return table, meta
+
+
+def validate_table(table: pa.Table, meta: ShardMeta, where: str) -> None:
+    """Check columns, types and per-row per-token list lengths (vectorised)."""
+    if meta.kind == ROLLOUT:
+        expected = rollout_schema(meta.student_topk)
+    elif meta.kind == ANNOTATED:
+        if not meta.top_k:
+            raise ShardError(f"{where}: annotated shard without '{META_TOP_K}' metadata")
+        lp_type = table.schema.field("teacher_topk_logprobs").type if "teacher_topk_logprobs" in table.schema.names else None
+        dtype = "float16" if lp_type is not None and lp_type.value_type.value_type == pa.float16() else "float32"
+        support_k = 0
+        if "teacher_support_logprobs" in table.schema.names:
+            support_k = table.schema.field("teacher_support_logprobs").type.value_type.list_size
+        expected = annotated_schema(meta.top_k, dtype, support_k)
+    else:
+        raise ShardError(f"{where}: unknown shard kind {meta.kind!r}")
+
+    for field in expected:
+        if field.name not in table.schema.names:
+            raise ShardError(f"{where}: missing column {field.name!r} ({field.type})")
+        got = table.schema.field(field.name).type
+        if got != field.type:
+            raise ShardError(f"{where}: column {field.name!r} has type {got}, expected {field.type}")
+
+    if meta.kind == ROLLOUT:
+        prompt_lengths = list_lengths(table["prompt_ids"])
+        if table.num_rows and prompt_lengths.min() == 0:
+            raise ShardError(f"{where}: row {int(np.argmin(prompt_lengths))} has an empty prompt")
+        _check_same_lengths(table, "response_ids", ["behavior_logprobs", "student_topk_ids"], where)
+    else:
+        _check_same_lengths(table, "teacher_token_logprob",
+                            ["teacher_topk_ids", "teacher_topk_logprobs", "teacher_support_logprobs"], where)
+
+
+def _check_same_lengths(table: pa.Table, reference: str, others: list[str], where: str) -> None:
+    ref = list_lengths(table[reference])
+    for name in others:
+        if name not in table.schema.names:
+            continue
+        got = list_lengths(table[name])
+        bad = np.nonzero(got != ref)[0]
+        if len(bad):
+            r = int(bad[0])
+            raise ShardError(
+                f"{where}: row {r} (sample {table['sample_id'][r].as_py()!r}) has {got[r]} entries in "
+                f"{name!r} but {ref[r]} in {reference!r}"
+            )
+
+
+def check_annotation_matches(rollout: pa.Table, annotated: pa.Table, where: str) -> None:
+    """An annotated part must cover the same samples, in the same order, with one entry per response token."""
+    if rollout.num_rows != annotated.num_rows or not rollout["sample_id"].equals(annotated["sample_id"]):
+        raise ShardError(f"{where}: sample ids differ from its rollout shard")
+    _check_lengths_equal(list_lengths(rollout["response_ids"]), list_lengths(annotated["teacher_token_logprob"]),
+                         annotated, where)
+
+
+def _check_lengths_equal(expected: np.ndarray, got: np.ndarray, table: pa.Table, where: str) -> None:
+    bad = np.nonzero(expected != got)[0]
+    if len(bad):
+        r = int(bad[0])
+        raise ShardError(f"{where}: row {r} has {got[r]} teacher positions but its response has {expected[r]} tokens")
+
+
+# ---------------------------------------------------------------- table builders
+def _concat(arrays: list, dtype) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.array([len(a) for a in arrays], dtype=np.int64)
+    flat = np.concatenate([np.asarray(a, dtype=dtype) for a in arrays]) if arrays else np.zeros(0, dtype=dtype)
+    return flat, lengths
+
+
+def rollout_table(*, sample_ids: list[str], prompt_index, sample_index, prompt_ids: list, response_ids: list,
+                  behavior_logprobs: list, policy_version: int, finish_reason: list[str],
+                  data_source: list | None = None, ground_truth: list | None = None, extra: list | None = None,
+                  student_topk_ids: list | None = None, student_topk: int = 0) -> pa.Table:
+    """A rollout table from per-row token arrays (one concatenation per column, no per-row Arrow work)."""
+    n = len(sample_ids)
+    prompt_flat, prompt_len = _concat(prompt_ids, np.int32)
+    resp_flat, resp_len = _concat(response_ids, np.int32)
+    lp_flat, lp_len = _concat(behavior_logprobs, np.float32)  # own lengths, so validation sees a mismatch
+    columns = {
+        "sample_id": pa.array(sample_ids, pa.string()),
+        "prompt_index": pa.array(np.asarray(prompt_index, dtype=np.int64)),
+        "sample_index": pa.array(np.asarray(sample_index, dtype=np.int32)),
+        "prompt_ids": ragged(prompt_flat, prompt_len, pa.int32()),
+        "response_ids": ragged(resp_flat, resp_len, pa.int32()),
+        "behavior_logprobs": ragged(lp_flat, lp_len, pa.float32()),
+    }
+    if student_topk_ids is not None:
+        if not student_topk:
+            raise ValueError("rollout_table: student_topk_ids needs student_topk=k")
+        flat = np.concatenate([np.asarray(a, dtype=np.int32).reshape(-1, student_topk) for a in student_topk_ids])
+        columns["student_topk_ids"] = ragged_fixed(flat, resp_len, pa.int32())
+    columns.update({
+        "policy_version": pa.array(np.full(n, policy_version, dtype=np.int32)),
+        "finish_reason": pa.array(finish_reason, pa.string()),
+        "data_source": pa.array(data_source if data_source is not None else [None] * n, pa.string()),
+        "ground_truth": pa.array(ground_truth if ground_truth is not None else [None] * n, pa.string()),
+        "extra": pa.array(extra if extra is not None else [None] * n, pa.string()),
+    })
+    return pa.table(columns, schema=rollout_schema(student_topk))
+
+
+def annotated_table(*, sample_ids, lengths, topk_ids: np.ndarray, topk_logprobs: np.ndarray,
+                    token_logprob: np.ndarray, logprob_dtype: str = "float32",
+                    support_logprobs: np.ndarray | None = None) -> pa.Table:
+    """An annotated part from flat `[total_tokens, k]` arrays and per-row response lengths."""
+    k = topk_ids.shape[1]
+    support_k = support_logprobs.shape[1] if support_logprobs is not None else 0
+    schema = annotated_schema(k, logprob_dtype, support_k)
+    lp_type = schema.field("teacher_topk_logprobs").type.value_type.value_type
+    columns = {
+        "sample_id": pa.array(list(sample_ids), pa.string()),
+        "teacher_topk_ids": ragged_fixed(topk_ids.astype(np.int32, copy=False), lengths, pa.int32()),
+        "teacher_topk_logprobs": ragged_fixed(topk_logprobs.astype(np.float16 if lp_type == pa.float16() else np.float32,
+                                                                   copy=False), lengths, lp_type),
+        "teacher_token_logprob": ragged(token_logprob.astype(np.float32, copy=False), lengths, pa.float32()),
+    }
+    if support_k:
+        columns["teacher_support_logprobs"] = ragged_fixed(support_logprobs.astype(np.float32, copy=False),
+                                                           lengths, pa.float32())
+    return pa.table(columns, schema=schema)

@@ -1,0 +1,455 @@
+"""Shared dataset storage: the only thing the three stages have in common.
+
+Everything goes through `pyarrow.fs`, so a local directory, `file://…` and
+`s3://bucket/prefix` (or any other URI pyarrow understands) share one code path.
+
+Layout (DESIGN.md §2):
+
+    <root>/run.json                               run manifest, created once
+    <root>/rollouts/<shard_id>.arrow              written by `opd rollout`
+    <root>/annotated/<shard_id>/<teacher>.arrow   written by `opd annotate`
+    <root>/policy/v000003/                        HF checkpoint published by `opd train`
+    <root>/policy/LATEST                          newest complete version number
+    <root>/train/progress.json, train/DONE, train/state/, train/consumed/
+    <root>/metrics/<stage>-<worker>.jsonl
+    <root>/quarantine/<name> + <name>.reason.txt
+
+Atomicity. A reader must never see a partial file, even if the writer is
+SIGKILLed mid-write. On a local filesystem we write `<name>.tmp-<random>` and
+rename it over the final name (rename is atomic on POSIX). On object stores a
+single PUT or a completed multipart upload is atomic and an interrupted upload
+is never visible, so we write the final key directly. Every listing ignores
+`*.tmp-*` names. Checkpoint directories cannot be renamed atomically on object
+stores, so a version counts as published only once its `_COMPLETE` marker
+exists (written last), and LATEST is replaced only after that.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+SHARD_ID_RE = re.compile(r"^v(?P<version>\d{6})-(?P<worker>[A-Za-z0-9_]{1,32})-(?P<seq>\d{6})$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+TMP_MARKER = ".tmp-"
+COMPLETE_MARKER = "_COMPLETE"
+
+
+class StoreError(RuntimeError):
+    """A problem with the shared store that the user must fix (message names the path)."""
+
+
+def validate_name(kind: str, name: str) -> str:
+    """Teacher names, worker ids etc. become path components: refuse anything that could escape the store."""
+    if not isinstance(name, str) or not NAME_RE.match(name) or ".." in name:
+        raise ValueError(
+            f"invalid {kind} {name!r}: use 1-64 characters from letters, digits, '_', '-', '.' "
+            f"(starting with a letter or digit, no '..')"
+        )
+    return name
+
+
+def validate_worker_id(worker: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_]{1,32}", worker or ""):
+        raise ValueError(f"invalid worker id {worker!r}: use 1-32 letters, digits or '_' (it becomes part of shard names)")
+    return worker
+
+
+def make_shard_id(policy_version: int, worker: str, seq: int) -> str:
+    """`v000003-w02-000117`: sorts by policy version, names its origin, and is unique per worker."""
+    validate_worker_id(worker)
+    if policy_version < 0 or seq < 0:
+        raise ValueError(f"policy_version and seq must be >= 0, got {policy_version}, {seq}")
+    return f"v{policy_version:06d}-{worker}-{seq:06d}"
+
+
+@dataclass(frozen=True, order=True)
+class ShardInfo:
+    """A rollout shard as seen in a listing; ordering is (policy_version, worker, seq)."""
+
+    policy_version: int
+    worker: str
+    seq: int
+    shard_id: str
+    path: str
+    size: int = -1
+
+
+def parse_shard_id(shard_id: str) -> tuple[int, str, int]:
+    m = SHARD_ID_RE.match(shard_id)
+    if not m:
+        raise ValueError(f"invalid shard id {shard_id!r}: expected v<6 digits>-<worker>-<6 digits>, e.g. v000003-w02-000117")
+    return int(m["version"]), m["worker"], int(m["seq"])
+
+
+def _is_tmp(name: str) -> bool:
+    return TMP_MARKER in name
+
+
+class Store:
+    """A run's shared storage. Construct with a path or URI; all methods take store-relative paths."""
+
+    def __init__(self, uri: str | os.PathLike, *, s3_endpoint: str | None = None):
+        self.uri = str(uri)
+        self.fs, self.root = _filesystem_for(self.uri, s3_endpoint)
+        self.is_local = isinstance(self.fs, pafs.LocalFileSystem)
+        self.root = self.root.rstrip("/")
+
+    def __repr__(self) -> str:
+        return f"Store({self.uri!r})"
+
+    # ------------------------------------------------------------------ paths
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *[p.strip("/") for p in parts if p]])
+
+    def rollout_path(self, shard_id: str) -> str:
+        parse_shard_id(shard_id)
+        return f"rollouts/{shard_id}.arrow"
+
+    def annotated_path(self, shard_id: str, teacher: str) -> str:
+        parse_shard_id(shard_id)
+        validate_name("teacher name", teacher)
+        return f"annotated/{shard_id}/{teacher}.arrow"
+
+    def policy_dir(self, version: int) -> str:
+        return f"policy/v{version:06d}"
+
+    def local_path(self, rel: str) -> Path:
+        """The OS path of a store file; only for local stores (e.g. to hand a checkpoint to from_pretrained)."""
+        if not self.is_local:
+            raise StoreError(f"{self.uri} is not a local store; download {rel} first")
+        return Path(self.path(rel))
+
+    # ------------------------------------------------------------ basic I/O
+    def exists(self, rel: str) -> bool:
+        return self.fs.get_file_info(self.path(rel)).type != pafs.FileType.NotFound
+
+    def read_bytes(self, rel: str) -> bytes:
+        try:
+            with self.fs.open_input_stream(self.path(rel)) as f:
+                return f.read()
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            if "not found" in str(e).lower() or "does not exist" in str(e).lower():
+                raise FileNotFoundError(f"{self.path(rel)} does not exist") from e
+            raise StoreError(f"cannot read {self.path(rel)}: {e}") from e
+
+    def read_json(self, rel: str, default: Any = None) -> Any:
+        try:
+            data = self.read_bytes(rel)
+        except FileNotFoundError:
+            return default
+        try:
+            return json.loads(data)
+        except json.JSONDecodeError as e:
+            raise StoreError(f"{self.path(rel)} is not valid JSON: {e}") from e
+
+    def open_input_file(self, rel: str) -> pa.NativeFile:
+        """Random-access handle; memory-mapped on local stores so Arrow reads are zero-copy."""
+        full = self.path(rel)
+        if self.is_local:
+            return pa.memory_map(full, "r")
+        return self.fs.open_input_file(full)
+
+    def write_atomic(self, rel: str, write_fn) -> None:
+        """Publish `rel` atomically; `write_fn(stream)` writes the content to an output stream."""
+        final = self.path(rel)
+        parent = final.rsplit("/", 1)[0]
+        self._makedirs(parent)
+        if not self.is_local:
+            # A single PUT / completed multipart upload is atomic; an aborted one is never visible.
+            with self.fs.open_output_stream(final) as out:
+                write_fn(out)
+            return
+        tmp = f"{final}{TMP_MARKER}{secrets.token_hex(6)}"
+        try:
+            with self.fs.open_output_stream(tmp) as out:
+                write_fn(out)
+            # fsync the data before the rename so a power cut cannot expose an empty file
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        self.write_atomic(rel, lambda out: out.write(data))
+
+    def write_json(self, rel: str, obj: Any) -> None:
+        self.write_bytes(rel, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+    def create_if_absent(self, rel: str, data: bytes) -> bool:
+        """Write `rel` only if nobody has; returns True when this call created it.
+
+        Local: `os.link` of a complete temporary file is an atomic create-if-absent.
+        Object stores have no portable conditional PUT in pyarrow, so two writers
+        racing in the same instant may both write; the caller re-reads the file
+        and adopts what it finds (last writer wins, both then agree).
+        """
+        final = self.path(rel)
+        self._makedirs(final.rsplit("/", 1)[0])
+        if not self.is_local:
+            if self.exists(rel):
+                return False
+            self.write_bytes(rel, data)
+            return True
+        tmp = f"{final}{TMP_MARKER}{secrets.token_hex(6)}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, final)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+
+    def delete(self, rel: str) -> None:
+        try:
+            self.fs.delete_file(self.path(rel))
+        except FileNotFoundError:
+            pass
+
+    def delete_dir(self, rel: str) -> None:
+        try:
+            self.fs.delete_dir(self.path(rel))
+        except FileNotFoundError:
+            pass
+
+    def list_files(self, rel: str, recursive: bool = False) -> list[pafs.FileInfo]:
+        """Complete files under `rel` (never `*.tmp-*`); empty when `rel` does not exist."""
+        sel = pafs.FileSelector(self.path(rel), allow_not_found=True, recursive=recursive)
+        infos = self.fs.get_file_info(sel)
+        return [i for i in infos if i.type == pafs.FileType.File and not _is_tmp(i.path)]
+
+    def list_dirs(self, rel: str) -> list[str]:
+        sel = pafs.FileSelector(self.path(rel), allow_not_found=True)
+        return sorted(i.base_name for i in self.fs.get_file_info(sel)
+                      if i.type == pafs.FileType.Directory and not _is_tmp(i.base_name))
+
+    def upload_dir(self, local_dir: str | os.PathLike, rel: str) -> None:
+        """Copy a local directory's files into the store under `rel` (each file atomically)."""
+        local_dir = Path(local_dir)
+        for p in sorted(local_dir.rglob("*")):
+            if p.is_file():
+                data = p.read_bytes()
+                self.write_bytes(f"{rel}/{p.relative_to(local_dir).as_posix()}", data)
+
+    def download_dir(self, rel: str, local_dir: str | os.PathLike) -> Path:
+        local_dir = Path(local_dir)
+        prefix = self.path(rel) + "/"
+        for info in self.list_files(rel, recursive=True):
+            target = local_dir / info.path[len(prefix):]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(self.read_bytes(info.path[len(self.root) + 1:]))
+        return local_dir
+
+    def _makedirs(self, full_dir: str) -> None:
+        if self.is_local:
+            try:
+                os.makedirs(full_dir, exist_ok=True)
+            except PermissionError as e:
+                raise StoreError(f"store {self.uri} is not writable: cannot create {full_dir} ({e.strerror})") from e
+        # object stores have no directories to create
+
+    # ----------------------------------------------------------- run manifest
+    def read_run(self) -> dict | None:
+        return self.read_json("run.json")
+
+    def ensure_run(self, **fields: Any) -> dict:
+        """Create run.json on first touch, else check `fields` against it and fill the missing ones.
+
+        A field already recorded with a different value is a contradiction (the
+        store belongs to another run / tokenizer / top-k): raise, naming both.
+        """
+        fields = {k: v for k, v in fields.items() if v is not None}
+        run = self.read_run()
+        if run is None:
+            new = {"run_id": uuid.uuid4().hex[:12], "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                   "schema_version": _schema_version(), **fields}
+            self.create_if_absent("run.json", (json.dumps(new, indent=2, sort_keys=True) + "\n").encode())
+            run = self.read_run()
+        missing = {}
+        for key, value in fields.items():
+            if key not in run:
+                missing[key] = value
+            elif run[key] != value:
+                raise StoreError(
+                    f"{self.path('run.json')}: {key} is {run[key]!r} in this store but {value!r} was given; "
+                    f"use a new store for a different {key}, or drop the option to use the store's value"
+                )
+        if missing:
+            run = {**run, **missing}
+            self.write_json("run.json", run)
+        return run
+
+    def require_run(self) -> dict:
+        run = self.read_run()
+        if run is None:
+            raise StoreError(f"{self.path('run.json')} does not exist: run `opd rollout` on this store first")
+        return run
+
+    # ------------------------------------------------------------ rollouts
+    def list_rollout_shards(self) -> list[ShardInfo]:
+        shards = []
+        for info in self.list_files("rollouts"):
+            name = info.base_name
+            if not name.endswith(".arrow"):
+                continue
+            shard_id = name[: -len(".arrow")]
+            try:
+                version, worker, seq = parse_shard_id(shard_id)
+            except ValueError:
+                continue  # foreign file: ignored by listings, reported by `opd inspect`
+            shards.append(ShardInfo(version, worker, seq, shard_id, f"rollouts/{name}", info.size))
+        return sorted(shards)
+
+    def list_annotated_parts(self) -> dict[str, set[str]]:
+        """shard_id -> names of the teachers whose part exists."""
+        parts: dict[str, set[str]] = {}
+        prefix = self.path("annotated") + "/"
+        for info in self.list_files("annotated", recursive=True):
+            rel = info.path[len(prefix):]
+            if rel.count("/") != 1 or not rel.endswith(".arrow"):
+                continue
+            shard_id, teacher = rel[: -len(".arrow")].split("/")
+            parts.setdefault(shard_id, set()).add(teacher)
+        return parts
+
+    # -------------------------------------------------------------- policy
+    def latest_version(self) -> int:
+        """Newest published policy version; 0 (the configured student) when nothing was published."""
+        try:
+            text = self.read_bytes("policy/LATEST").decode().strip()
+        except FileNotFoundError:
+            return 0
+        if not text.isdigit():
+            raise StoreError(f"{self.path('policy/LATEST')} holds {text!r}, expected a version number")
+        version = int(text)
+        if version > 0 and not self.exists(f"{self.policy_dir(version)}/{COMPLETE_MARKER}"):
+            raise StoreError(
+                f"{self.path('policy/LATEST')} points at version {version} but "
+                f"{self.path(self.policy_dir(version))} is missing or incomplete"
+            )
+        return version
+
+    def publish_policy(self, version: int, local_dir: str | os.PathLike) -> None:
+        """Publish a local HF checkpoint directory as `policy/v<version>` and point LATEST at it."""
+        rel = self.policy_dir(version)
+        if self.is_local:
+            final = self.local_path(rel)
+            if not (final / COMPLETE_MARKER).exists():
+                tmp = Path(f"{final}{TMP_MARKER}{secrets.token_hex(6)}")
+                import shutil
+
+                shutil.copytree(local_dir, tmp)
+                (tmp / COMPLETE_MARKER).write_text(f"{version}\n")
+                if final.exists():  # a half-made directory from a killed publish without marker
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+        else:
+            self.upload_dir(local_dir, rel)
+            self.write_bytes(f"{rel}/{COMPLETE_MARKER}", f"{version}\n".encode())
+        self.write_bytes("policy/LATEST", f"{version}\n".encode())
+
+    def policy_versions(self) -> list[int]:
+        versions = []
+        for name in self.list_dirs("policy"):
+            if re.fullmatch(r"v\d{6}", name) and self.exists(f"policy/{name}/{COMPLETE_MARKER}"):
+                versions.append(int(name[1:]))
+        return sorted(versions)
+
+    # ------------------------------------------------------ trainer status
+    def read_progress(self) -> dict:
+        return self.read_json("train/progress.json", default={}) or {}
+
+    def write_progress(self, progress: dict) -> None:
+        self.write_json("train/progress.json", progress)
+
+    def is_done(self) -> bool:
+        return self.exists("train/DONE")
+
+    def mark_done(self, reason: str = "finished") -> None:
+        self.write_bytes("train/DONE", f"{reason}\n".encode())
+
+    # ----------------------------------------------------------- quarantine
+    def quarantine(self, rel: str, reason: str) -> str:
+        """Move a file that failed validation aside, with the reason beside it; returns the new path."""
+        name = rel.replace("/", "__")
+        dest = f"quarantine/{name}"
+        self._makedirs(self.path("quarantine"))
+        self.write_bytes(f"{dest}.reason.txt", f"{rel}: {reason}\n".encode())
+        if self.is_local:
+            os.replace(self.path(rel), self.path(dest))
+        else:
+            self.fs.copy_file(self.path(rel), self.path(dest))
+            self.fs.delete_file(self.path(rel))
+        return dest
+
+    def list_quarantine(self) -> dict[str, str]:
+        out = {}
+        for info in self.list_files("quarantine"):
+            if info.base_name.endswith(".reason.txt"):
+                out[info.base_name[: -len(".reason.txt")]] = self.read_bytes(f"quarantine/{info.base_name}").decode().strip()
+        return out
+
+
+def _schema_version() -> int:
+    from opd_cache.schema import SCHEMA_VERSION
+
+    return SCHEMA_VERSION
+
+
+def _filesystem_for(uri: str, s3_endpoint: str | None) -> tuple[pafs.FileSystem, str]:
+    """Resolve a path or URI to (filesystem, root path inside it)."""
+    if "://" not in uri:
+        return pafs.LocalFileSystem(), os.path.abspath(uri)
+    endpoint = s3_endpoint or os.environ.get("OPD_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
+    if uri.startswith("s3://") and endpoint:
+        # S3-compatible servers (MinIO, moto, Ceph): pyarrow needs the endpoint and scheme split apart.
+        scheme, _, host = endpoint.partition("://")
+        if not host:
+            scheme, host = "https", endpoint
+        fs = pafs.S3FileSystem(
+            endpoint_override=host,
+            scheme=scheme,
+            region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+            access_key=os.environ.get("AWS_ACCESS_KEY_ID"),
+            secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
+            allow_bucket_creation=True,
+            connect_timeout=5,
+            request_timeout=30,
+        )
+        return fs, uri[len("s3://"):]
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise StoreError(f"cannot open store {uri}: {e}") from e
+
+
+def iter_jsonl(data: bytes) -> Iterator[dict]:
+    for line in io.BytesIO(data):
+        line = line.strip()
+        if line:
+            yield json.loads(line)

@@ -1,0 +1,132 @@
+"""Shared fixtures: the shipped tiny tokenizer, tiny models built from a config, stores, synthetic shards."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER_DIR = REPO / "data" / "tokenizer"
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_path() -> Path:
+    return TOKENIZER_DIR
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_path):
+    from opd_cache.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory, tokenizer):
+    """`make(name, seed=0, **kwargs) -> Path`: a tiny causal LM saved as an HF checkpoint (cached per session)."""
+    from opd_cache.models import build_tiny_model, save_causal_lm
+
+    root = tmp_path_factory.mktemp("models")
+    cache: dict = {}
+
+    def make(name: str = "student", seed: int = 0, **kwargs) -> Path:
+        key = (name, seed, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            model = build_tiny_model(vocab_size=len(tokenizer), seed=seed, **kwargs)
+            out = root / f"{name}-{seed}-{len(cache)}"
+            save_causal_lm(model, tokenizer, out)
+            cache[key] = out
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture
+def local_store(tmp_path):
+    from opd_cache.store import Store
+
+    return Store(tmp_path / "store")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """An S3-compatible server (moto) on 127.0.0.1 for the session; skips only if it cannot start."""
+    try:
+        import moto  # noqa: F401
+    except ImportError:
+        pytest.skip("moto[server] is not installed (pip install -e '.[dev]')")
+    port = _free_port()
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.skip("moto server did not start on 127.0.0.1 within 20 s")
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_store(s3_endpoint, monkeypatch, request):
+    """A Store on a fresh bucket of the moto server."""
+    from opd_cache.store import Store
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    bucket = "b" + request.node.name.lower().replace("_", "-")[:40].strip("-") + str(int(time.time() * 1000) % 100000)
+    bucket = "".join(c for c in bucket if c.isalnum() or c == "-")
+    store = Store(f"s3://{bucket}/run", s3_endpoint=s3_endpoint)
+    store.fs.create_dir(bucket)
+    return store
+
+
+def write_random_rollout_shard(store, *, shard_id: str, num_rows: int = 4, vocab_size: int = 32,
+                               prompt_len: int = 5, max_response: int = 6, seed: int = 0, run: dict | None = None,
+                               student_topk: int = 0, data_source: str | None = None):
+    """A syntactically valid rollout shard with random tokens (for storage/annotate/train tests)."""
+    from opd_cache.schema import ROLLOUT, ShardMeta, rollout_table, write_shard
+    from opd_cache.store import parse_shard_id
+
+    rng = np.random.default_rng(seed)
+    version, _, _ = parse_shard_id(shard_id)
+    run = run or store.ensure_run(student="student", tokenizer_fingerprint="fp-test")
+    lengths = rng.integers(0, max_response + 1, size=num_rows)
+    table = rollout_table(
+        sample_ids=[f"{shard_id}-{i}" for i in range(num_rows)],
+        prompt_index=np.arange(num_rows), sample_index=np.zeros(num_rows),
+        prompt_ids=[rng.integers(1, vocab_size, size=prompt_len) for _ in range(num_rows)],
+        response_ids=[rng.integers(1, vocab_size, size=n) for n in lengths],
+        behavior_logprobs=[-rng.random(n) for n in lengths],
+        policy_version=version, finish_reason=["stop"] * num_rows,
+        data_source=[data_source] * num_rows if data_source else None,
+        student_topk_ids=[rng.integers(0, vocab_size, size=(n, student_topk)) for n in lengths] if student_topk else None,
+        student_topk=student_topk,
+    )
+    meta = ShardMeta(kind=ROLLOUT, run_id=run["run_id"], tokenizer_fingerprint=run["tokenizer_fingerprint"],
+                     shard_id=shard_id, policy_version=version, student_topk=student_topk)
+    write_shard(store, store.rollout_path(shard_id), table, meta)
+    return table

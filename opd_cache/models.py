@@ -1,0 +1,109 @@
+"""Building, loading and saving causal language models (transformers, safetensors only).
+
+`build_tiny_model` makes the small Llama / Qwen2 models of the CPU demo and the
+tests from a config alone (nothing is downloaded). `load_causal_lm` and
+`save_causal_lm` are the only way stages read and write checkpoints, so every
+checkpoint in a store is a plain Hugging Face folder: safetensors weights,
+config.json and the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from transformers.utils import logging as hf_logging
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config
+
+_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars():
+    # transformers 5 draws a progress bar for every shard read or written; stages have their own display.
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def build_tiny_model(
+    arch: str = "llama",
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int = 256,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+    max_position_embeddings: int = 512,
+    pad_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    bos_token_id: int | None = None,
+) -> PreTrainedModel:
+    """A randomly initialised float32 causal LM; the same arguments give the same weights.
+
+    The caller's global RNG state is left untouched.
+    """
+    if arch not in _CONFIGS:
+        raise ValueError(f"arch {arch!r} is not supported: use one of {sorted(_CONFIGS)}")
+    config = _CONFIGS[arch](
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        bos_token_id=bos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval()
+
+
+def load_causal_lm(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """Load a causal LM from a folder (or hub id) holding safetensors weights, in eval mode.
+
+    Pickle checkpoints (`pytorch_model.bin`) are refused: loading one can run
+    arbitrary code, and every checkpoint this package writes is safetensors.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path) and not any(name.endswith(".safetensors") for name in os.listdir(path)):
+        raise ValueError(f"model {path}: no *.safetensors weights in the folder (pickle checkpoints are not loaded)")
+    with _quiet_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+            use_safetensors=True,
+        )
+    return model.eval()
+
+
+def save_causal_lm(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | os.PathLike) -> None:
+    """Write a loadable checkpoint folder: safetensors weights, config.json, tokenizer files.
+
+    This writes into `out_dir` in place; publishing it atomically (write
+    elsewhere, then rename) is the store's job.
+    """
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    with _quiet_progress_bars():
+        model.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)

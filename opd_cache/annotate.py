@@ -1,0 +1,336 @@
+"""`opd annotate`: the batch teacher job (DESIGN.md §2, §3, §5, §6).
+
+A worker finds rollout shards that have no part for its teacher yet, scores
+them with the teacher, and publishes `annotated/<shard_id>/<teacher>.arrow`:
+per response position, the teacher's top-k ids and log-probs, the log-prob of
+the sampled token, and (when the rollout recorded the student's top-k ids)
+the teacher's log-probs at those ids.
+
+    list rollouts -> keep mine (stable hash) and unannotated -> skip too-stale
+      -> read + validate (corrupt: quarantine) -> route rows -> score -> write atomically
+
+Properties the rest of the system relies on:
+- **Before any compute** the teacher's tokenizer is checked against the run's
+  (the student's), and top_k / teachers / routing are recorded in run.json so
+  that a contradicting worker fails instead of writing incompatible parts.
+- **No coordinator:** worker i of n takes the shards whose crc32(shard_id) % n
+  is i. crc32 is stable across processes and machines (Python's `hash` is salted).
+- **Idempotent:** the output name depends only on (shard, teacher); a part
+  that exists is never rewritten, and rewriting one would give the same bytes.
+  Killed mid-shard, a worker leaves at most an ignored `*.tmp-*` file.
+- **Routing:** with `routing` configured, a teacher annotates only the rows
+  whose key column routes to it, in rollout order; a shard with none of its
+  rows still gets a (zero-row) part, so "annotated by every teacher" is
+  decidable from a listing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from opd_cache.config import AnnotateConfig
+from opd_cache.metrics import MetricsLog
+from opd_cache.schema import (ANNOTATED, ROLLOUT, ShardError, ShardMeta, annotated_table, flat_values, list_lengths,
+                              read_shard, write_shard)
+from opd_cache.store import ShardInfo, Store, StoreError, validate_name
+from opd_cache.tokenizer import check_compatible, load_tokenizer, tokenizer_fingerprint
+
+
+def shard_owner(shard_id: str, num_workers: int) -> int:
+    """Which worker annotates `shard_id`: the same answer in every process, on every machine."""
+    return zlib.crc32(shard_id.encode()) % num_workers
+
+
+@dataclass
+class AnnotateStats:
+    annotated: list[str] = field(default_factory=list)  # shard ids this run wrote a part for
+    skipped_stale: list[str] = field(default_factory=list)  # too old for the trainer: left unannotated
+    quarantined: list[str] = field(default_factory=list)  # unreadable rollout shards moved to quarantine/
+    rows: int = 0
+    tokens: int = 0  # response tokens scored
+    seconds: float = 0.0  # wall time spent on shards (read, score, write)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+# ---------------------------------------------------------------- checks before any compute
+def _student_tokenizer(store: Store, run: dict):
+    """The run's tokenizer, when it can be loaded here (the student folder, or a published policy)."""
+    candidates = []
+    if run.get("student") and os.path.isdir(str(run["student"])):
+        candidates.append(str(run["student"]))
+    if store.is_local:
+        candidates += [str(store.local_path(store.policy_dir(v))) for v in reversed(store.policy_versions())]
+    for path in candidates:
+        try:
+            return load_tokenizer(path)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _embedding_size(model_path: str, trust_remote_code: bool) -> int | None:
+    """The teacher's output size from its config.json (no weights are loaded)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    return getattr(config.get_text_config(), "vocab_size", None)
+
+
+def check_teacher_tokenizer(store: Store, run: dict, teacher_tok, teacher: str, embedding_size: int | None) -> None:
+    """Teacher and student must map every id to the same token; raise naming both models and the difference."""
+    student = str(run.get("student", "student"))
+    student_tok = _student_tokenizer(store, run)
+    if student_tok is not None:
+        # names the first differing token; also refuses tokenizer ids beyond the teacher's embedding
+        check_compatible(student_tok, teacher_tok, embedding_size, student_name=student, teacher_name=teacher)
+    expected = run.get("tokenizer_fingerprint")
+    got = tokenizer_fingerprint(teacher_tok)
+    if expected and got != expected:
+        raise ValueError(f"teacher {teacher} and student {student} tokenizers differ: the teacher's fingerprint is "
+                         f"{got}, the run's (run.json) is {expected}")
+    if run.get("vocab_size") is not None and len(teacher_tok) != run["vocab_size"]:
+        raise ValueError(f"teacher {teacher}: its tokenizer has {len(teacher_tok)} tokens, the run's has "
+                         f"{run['vocab_size']} (run.json vocab_size)")
+    if embedding_size is not None and embedding_size < len(teacher_tok):
+        raise ValueError(f"teacher {teacher}: the tokenizer has {len(teacher_tok)} tokens but the model's embedding "
+                         f"has only {embedding_size} rows (ids >= {embedding_size} cannot be scored)")
+
+
+def _record_teacher(store: Store, name: str, path: str) -> dict:
+    """Add {name: path} to run.json's `teachers` (other teachers' jobs add theirs); refuse a different path."""
+    for _ in range(5):
+        run = store.require_run()
+        teachers = dict(run.get("teachers") or {})
+        if name in teachers:
+            if teachers[name] != path:
+                raise StoreError(f"{store.path('run.json')}: teacher {name!r} is {teachers[name]!r} in this store but "
+                                 f"{path!r} was given; use another --teacher-name for a different model")
+            return run
+        store.write_json("run.json", {**run, "teachers": {**teachers, name: path}})
+        time.sleep(0.05)  # two teachers registering at once: re-read, and retry if our entry was overwritten
+    raise StoreError(f"{store.path('run.json')}: could not record teacher {name!r} (run.json keeps changing)")
+
+
+# ---------------------------------------------------------------- the worker
+class Annotator:
+    """One annotate worker: `Annotator(store, cfg).run()`; `scorer=` injects an already loaded engine."""
+
+    def __init__(self, store: Store, cfg: AnnotateConfig, *, scorer=None, console: Console | None = None,
+                 progress: bool | None = None):
+        self.store = store
+        self.cfg = cfg
+        self.teacher = validate_name("teacher name", cfg.teacher_name)
+        if not cfg.teacher:
+            raise ValueError("--teacher: no teacher model given (a checkpoint folder or hub id)")
+        teacher_path = os.path.abspath(cfg.teacher) if os.path.isdir(cfg.teacher) else cfg.teacher
+        run = store.require_run()
+
+        # 1. tokenizer compatibility and k, before any weights are loaded
+        teacher_tok = load_tokenizer(cfg.teacher, trust_remote_code=cfg.trust_remote_code)
+        check_teacher_tokenizer(store, run, teacher_tok, cfg.teacher, _embedding_size(cfg.teacher, cfg.trust_remote_code))
+        self.vocab_size = len(teacher_tok)
+        # flags/YAML win; otherwise an existing store keeps its top_k and routing
+        given = cfg.model_fields_set
+        self.top_k = cfg.top_k if "top_k" in given or "top_k" not in run else int(run["top_k"])
+        if self.top_k > self.vocab_size:
+            raise ValueError(f"--top-k {self.top_k} is larger than the vocabulary of teacher {cfg.teacher} "
+                             f"({self.vocab_size} tokens)")
+        routing = None
+        if cfg.routing:
+            routing = {"key": cfg.routing_key, "map": dict(cfg.routing), "default": cfg.default_teacher}
+
+        # 2. record what this worker assumes; a contradicting store fails here
+        run = store.ensure_run(top_k=self.top_k, routing=routing, tokenizer_fingerprint=tokenizer_fingerprint(teacher_tok),
+                               vocab_size=self.vocab_size)
+        self.run_info = _record_teacher(store, self.teacher, teacher_path)
+        self.routing = run.get("routing")
+        if self.routing and self.teacher not in {*self.routing["map"].values(), self.routing.get("default")}:
+            raise ValueError(f"--teacher-name {self.teacher}: the routing in run.json sends no rows to it "
+                             f"(teachers: {sorted(set(self.routing['map'].values()))}, default "
+                             f"{self.routing.get('default')!r})")
+        self.max_staleness = cfg.max_staleness if cfg.max_staleness is not None else run.get("max_staleness")
+
+        # 3. the engine
+        self.scorer = scorer if scorer is not None else make_scorer(cfg, self.top_k, self.vocab_size)
+        self.union_support = cfg.engine == "hf"  # vLLM cannot gather log-probs at arbitrary ids
+        self._warned_no_support = False
+        self.metrics = MetricsLog(store, "annotate", f"{self.teacher}-{cfg.worker_index}")
+        self.console = console or Console(stderr=True)
+        self.show_progress = self.console.is_terminal if progress is None else progress
+        self.stats = AnnotateStats()
+
+    # ---------------------------------------------------------------- what to do
+    def pending_shards(self) -> list[ShardInfo]:
+        """This worker's rollout shards without this teacher's part, oldest first (stale ones included)."""
+        parts = self.store.list_annotated_parts()
+        return [s for s in self.store.list_rollout_shards()
+                if self.teacher not in parts.get(s.shard_id, ())
+                and shard_owner(s.shard_id, self.cfg.num_workers) == self.cfg.worker_index]
+
+    def too_stale(self, info: ShardInfo, latest_version: int) -> bool:
+        """The trainer (at version >= latest) can no longer use rows from this shard's policy version."""
+        return self.max_staleness is not None and latest_version - info.policy_version > self.max_staleness
+
+    # ---------------------------------------------------------------- the loop
+    def run(self) -> AnnotateStats:
+        """Annotate until nothing is pending (or `max_shards`); with `follow`, until the trainer's DONE marker."""
+        columns = [TextColumn(f"[bold]annotate[/] {self.teacher}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("shards  {task.fields[tps]:,.0f} tok/s  backlog {task.fields[backlog]}"),
+                   TimeElapsedColumn()]
+        with Progress(*columns, console=self.console, disable=not self.show_progress) as progress:
+            task = progress.add_task("annotate", total=None, tps=0.0, backlog=0)
+            try:
+                self._loop(progress, task)
+            finally:
+                self.metrics.flush()
+        return self.stats
+
+    def _loop(self, progress: Progress, task) -> None:
+        stale_seen: set[str] = set()
+        while True:
+            if self.cfg.follow and self.store.is_done():
+                return
+            pending = [s for s in self.pending_shards() if s.shard_id not in stale_seen]
+            worked = False
+            for i, info in enumerate(pending):
+                if self._limit_reached() or (self.cfg.follow and self.store.is_done()):
+                    return
+                backlog = len(pending) - i
+                progress.update(task, total=len(self.stats.annotated) + backlog, backlog=backlog)
+                if self.too_stale(info, self.store.latest_version()):
+                    stale_seen.add(info.shard_id)
+                    self.stats.skipped_stale.append(info.shard_id)
+                    self.metrics.log({"event": "skipped_stale", "shard_id": info.shard_id,
+                                      "policy_version": info.policy_version})
+                    continue
+                worked |= self.annotate_shard(info, backlog=backlog - 1)
+                progress.update(task, completed=len(self.stats.annotated), tps=self.stats.tokens_per_second,
+                                backlog=backlog - 1)
+            if self._limit_reached() or (not worked and not self.cfg.follow):
+                return
+            if not worked:
+                time.sleep(self.cfg.poll_seconds)
+
+    def _limit_reached(self) -> bool:
+        return self.cfg.max_shards is not None and len(self.stats.annotated) >= self.cfg.max_shards
+
+    # ---------------------------------------------------------------- one shard
+    def annotate_shard(self, info: ShardInfo, backlog: int = 0) -> bool:
+        """Score one rollout shard and publish this teacher's part; False if there was nothing to do."""
+        part = self.store.annotated_path(info.shard_id, self.teacher)
+        if self.store.exists(part):  # written since the listing (a restarted or duplicate worker)
+            return False
+        start = time.perf_counter()
+        try:
+            table, meta = read_shard(self.store, info.path, kind=ROLLOUT, run=self.run_info)
+            if meta.shard_id != info.shard_id:
+                raise ShardError(f"{self.store.path(info.path)}: its metadata names shard {meta.shard_id!r}")
+            rows = self._routed_rows(table)
+            prompts, responses, support = self._token_arrays(rows, info)
+        except FileNotFoundError:
+            return False  # moved away (e.g. quarantined by another process) since the listing
+        except ShardError as e:
+            self.store.quarantine(info.path, str(e))
+            self.stats.quarantined.append(info.shard_id)
+            self.metrics.log({"event": "quarantined", "shard_id": info.shard_id, "reason": str(e)}, flush=True)
+            self.console.print(f"[yellow]quarantined[/] {info.path}: {e}", highlight=False, soft_wrap=True)
+            return True
+
+        scores = self.scorer.score(prompts, responses, self.top_k, support)
+        out = annotated_table(sample_ids=rows["sample_id"].to_pylist(), lengths=scores.lengths,
+                              topk_ids=scores.topk_ids, topk_logprobs=scores.topk_logprobs,
+                              token_logprob=scores.token_logprob, logprob_dtype=self.cfg.dtype,
+                              support_logprobs=scores.support_logprobs)
+        out_meta = ShardMeta(kind=ANNOTATED, run_id=self.run_info["run_id"],
+                             tokenizer_fingerprint=self.run_info["tokenizer_fingerprint"], shard_id=info.shard_id,
+                             policy_version=meta.policy_version, top_k=self.top_k, teacher=self.teacher,
+                             student_topk=meta.student_topk if support is not None else 0)
+        compression = None if self.cfg.compression == "none" else self.cfg.compression
+        write_shard(self.store, part, out, out_meta, compression=compression)
+
+        seconds = time.perf_counter() - start
+        self.stats.annotated.append(info.shard_id)
+        self.stats.rows += rows.num_rows
+        self.stats.tokens += scores.num_tokens
+        self.stats.seconds += seconds
+        self.metrics.log({"event": "annotated", "shard_id": info.shard_id, "policy_version": meta.policy_version,
+                          "rows": rows.num_rows, "tokens": scores.num_tokens, "seconds": round(seconds, 4),
+                          "tokens_per_s": round(scores.num_tokens / max(seconds, 1e-9), 1), "backlog": backlog})
+        return True
+
+    def _routed_rows(self, table: pa.Table) -> pa.Table:
+        """The rows this teacher annotates, in rollout order (all of them without routing)."""
+        if not self.routing:
+            return table
+        key = self.routing["key"]
+        if key not in table.schema.names:
+            raise ValueError(f"routing key {key!r} is not a column of the rollout shards "
+                             f"(columns: {', '.join(table.schema.names)}); set annotate.routing_key")
+        values = pc.cast(table[key], pa.string())
+        mine = [v for v, t in self.routing["map"].items() if t == self.teacher]
+        mask = pc.fill_null(pc.is_in(values, value_set=pa.array(mine, pa.string())), False)
+        if self.routing.get("default") == self.teacher:
+            unlisted = pc.invert(pc.fill_null(pc.is_in(values, value_set=pa.array(list(self.routing["map"]),
+                                                                                  pa.string())), False))
+            mask = pc.or_(mask, unlisted)
+        return table.filter(mask)
+
+    def _token_arrays(self, rows: pa.Table, info: ShardInfo):
+        """Per-row id arrays (views into the Arrow buffers), after checking every id is in the vocabulary."""
+        columns = ["prompt_ids", "response_ids"]
+        if "student_topk_ids" in rows.schema.names:
+            if self.union_support:
+                columns.append("student_topk_ids")
+            elif not self._warned_no_support:
+                self._warned_no_support = True
+                self.console.print(f"[yellow]note:[/] {info.path} has student_topk_ids, but --engine {self.cfg.engine} "
+                                   f"cannot score them; parts get no teacher_support_logprobs (use --engine hf for "
+                                   f"union support)", highlight=False, soft_wrap=True)
+        arrays = []
+        for name in columns:
+            flat = flat_values(rows[name])
+            if flat.size and (flat.min() < 0 or flat.max() >= self.vocab_size):
+                bad = int(flat.max()) if flat.max() >= self.vocab_size else int(flat.min())
+                raise ShardError(f"{self.store.path(info.path)}: column {name!r} holds token id {bad}, outside the "
+                                 f"vocabulary 0..{self.vocab_size - 1}")
+            boundaries = np.cumsum(list_lengths(rows[name]))[:-1]
+            arrays.append(np.split(flat, boundaries) if rows.num_rows else [])
+        prompts, responses = arrays[0], arrays[1]
+        return prompts, responses, (arrays[2] if len(arrays) == 3 else None)
+
+
+# ---------------------------------------------------------------- engines and entry point
+def make_scorer(cfg: AnnotateConfig, top_k: int, vocab_size: int):
+    """The configured scoring engine, loaded once per worker."""
+    if cfg.engine == "vllm":
+        from opd_cache.engines.vllm_score import VLLMScorer
+
+        return VLLMScorer(cfg.teacher, max_top_k=top_k, model_dtype=cfg.model_dtype,
+                          tensor_parallel_size=cfg.tensor_parallel_size, trust_remote_code=cfg.trust_remote_code,
+                          gpu_memory_utilization=cfg.gpu_memory_utilization, vocab_limit=vocab_size)
+    from opd_cache.engines.hf_score import HFScorer
+
+    return HFScorer.load(cfg.teacher, model_dtype=cfg.model_dtype, device=cfg.device,
+                         attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code,
+                         max_tokens_per_batch=cfg.max_tokens_per_batch, head_chunk_tokens=cfg.head_chunk_tokens,
+                         padding_side=cfg.padding_side, vocab_limit=vocab_size)
+
+
+def annotate(store: Store, cfg: AnnotateConfig, **kwargs) -> AnnotateStats:
+    """Run one annotate worker to completion (see `Annotator`)."""
+    return Annotator(store, cfg, **kwargs).run()

@@ -1,0 +1,281 @@
+"""What the trainer leaves in the store: resume states, the sample ledger, policy versions, progress.
+
+Resume state `train/state/step-<N>/` (every `save_every` steps and at the end):
+    the model and the optimizer, sharded, with `torch.distributed.checkpoint`
+    (DCP reshards on load, so a state saved by 2 ranks loads on 1 or 4);
+    `trainer.json`: step, policy version, the stream cursor (finished shards,
+    current shard and rows consumed of it), counters; `rng-<rank>.json`: each
+    rank's torch RNG state; `_COMPLETE`, written last.
+    Atomicity: on a local store every rank writes into `step-<N>.tmp-save/`,
+    rank 0 adds `_COMPLETE` and renames the folder into place. Object stores
+    cannot rename folders: DCP writes to a local folder, each rank uploads its
+    own files, and rank 0 writes `_COMPLETE` after all uploads. Only states
+    with `_COMPLETE` are ever loaded; the newest `keep_states` are kept.
+
+Ledger: `train/consumed/step-<N>.jsonl` lists the rows trained at step N (one
+JSON object per line: sample_id, shard_id, teacher, policy_version), written
+after the step. `train/skipped/<shard_id>.jsonl` lists the rows of a finished
+shard that were not trained (reason "expired" or "unrouted"). On resume from
+step S, ledger files of steps after S and skipped files of shards not finished
+at S are deleted: the resumed run rewrites them, so every row ends up in the
+ledger exactly once (`verify_ledger` checks it).
+
+Policy version N: rank 0 gathers the full state dict
+(`get_model_state_dict(full_state_dict=True, cpu_offload=True)`), writes an HF
+checkpoint (safetensors, config, tokenizer) to a local temporary folder and
+`store.publish_policy(N, folder)` copies it into `policy/v<N>` atomically and
+then replaces `policy/LATEST`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from opd_cache.store import COMPLETE_MARKER, Store, iter_jsonl
+
+STATE_ROOT = "train/state"
+CONSUMED = "train/consumed"
+SKIPPED = "train/skipped"
+
+
+def state_rel(step: int) -> str:
+    return f"{STATE_ROOT}/step-{step:06d}"
+
+
+def complete_states(store: Store) -> list[int]:
+    """Steps of the resume states whose `_COMPLETE` marker exists, oldest first."""
+    steps = []
+    for name in store.list_dirs(STATE_ROOT):
+        m = re.fullmatch(r"step-(\d{6,})", name)
+        if m and store.exists(f"{STATE_ROOT}/{name}/{COMPLETE_MARKER}"):
+            steps.append(int(m[1]))
+    return sorted(steps)
+
+
+def _barrier(distributed: bool) -> None:
+    if distributed:
+        torch.distributed.barrier()
+
+
+def _rng_state() -> dict:
+    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import numpy as np
+
+    torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(state["cuda"]), dtype=np.uint8).copy()))
+
+
+def save_state(store: Store, step: int, objective: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               trainer_state: dict, *, rank: int = 0, distributed: bool = False, keep: int = 2) -> None:
+    """Save the resume state of step `step` (a collective under torchrun: every rank calls it)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(objective, optimizer)
+    rel = state_rel(step)
+    if store.is_local:
+        final = store.local_path(rel)
+        folder = Path(f"{final}.tmp-save")
+    else:
+        folder = Path(tempfile.gettempdir()) / f"opd-state-{store.require_run()['run_id']}-step-{step:06d}"
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+    _barrier(distributed)
+    with warnings.catch_warnings():  # single process: DCP warns that it saves without a process group
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+    (folder / f"rng-{rank}.json").write_text(json.dumps(_rng_state()))
+    if rank == 0:
+        (folder / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
+    _barrier(distributed)
+    if not store.is_local:
+        mine = [p for p in folder.iterdir() if p.name.startswith(f"__{rank}_") or p.name == f"rng-{rank}.json"
+                or (rank == 0 and p.name in (".metadata", "trainer.json"))]
+        for p in mine:
+            store.write_bytes(f"{rel}/{p.name}", p.read_bytes())
+        _barrier(distributed)
+    if rank == 0:
+        if store.is_local:
+            (folder / COMPLETE_MARKER).write_text(f"{step}\n")
+            if final.exists():  # a folder from a crashed save without marker
+                shutil.rmtree(final)
+            os.replace(folder, final)
+        else:
+            store.write_bytes(f"{rel}/{COMPLETE_MARKER}", f"{step}\n".encode())
+            shutil.rmtree(folder, ignore_errors=True)
+        for old in complete_states(store)[:-keep]:
+            store.delete_dir(state_rel(old))
+    _barrier(distributed)
+
+
+def load_state(store: Store, step: int, objective: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               *, rank: int = 0) -> dict:
+    """Load the resume state of step `step` into the model and optimizer; returns trainer.json."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    rel = state_rel(step)
+    cleanup = None
+    if store.is_local:
+        folder = store.local_path(rel)
+    else:
+        cleanup = folder = Path(tempfile.mkdtemp(prefix="opd-state-"))
+        store.download_dir(rel, folder)
+    try:
+        model_sd, optim_sd = get_state_dict(objective, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(folder))
+        set_state_dict(objective, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rng = folder / f"rng-{rank}.json"
+        if rng.exists():  # absent when resuming with more ranks than saved
+            _set_rng_state(json.loads(rng.read_text()))
+        return json.loads((folder / "trainer.json").read_text())
+    finally:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ ledger
+def consumed_rel(step: int) -> str:
+    return f"{CONSUMED}/step-{step:06d}.jsonl"
+
+
+def write_consumed(store: Store, step: int, batch) -> None:
+    """The rows trained at `step` (a GlobalBatch), one JSON object per line."""
+    shard_of_row = [batch.shard_ids[i] for i in batch.row_shard.tolist()]
+    lines = [json.dumps({"sample_id": s, "shard_id": sh, "teacher": t, "policy_version": v})
+             for s, sh, t, v in zip(batch.sample_ids, shard_of_row, batch.teachers, batch.row_version.tolist())]
+    store.write_bytes(consumed_rel(step), ("\n".join(lines) + "\n").encode())
+
+
+def clear_ledger_after(store: Store, step: int, finished_shards: list[str]) -> None:
+    """Forget what happened after the resumed state: the resumed run writes it again."""
+    for info in store.list_files(CONSUMED):
+        m = re.fullmatch(r"step-(\d+)\.jsonl", info.base_name)
+        if m and int(m[1]) > step:
+            store.delete(f"{CONSUMED}/{info.base_name}")
+    finished = set(finished_shards)
+    for info in store.list_files(SKIPPED):
+        if info.base_name.removesuffix(".jsonl") not in finished:
+            store.delete(f"{SKIPPED}/{info.base_name}")
+
+
+def read_ledger(store: Store) -> tuple[dict[int, list[str]], dict[str, str]]:
+    """({step: trained sample ids}, {skipped sample id: reason})."""
+    trained = {}
+    for info in store.list_files(CONSUMED):
+        m = re.fullmatch(r"step-(\d+)\.jsonl", info.base_name)
+        if m:
+            trained[int(m[1])] = [r["sample_id"] for r in iter_jsonl(store.read_bytes(f"{CONSUMED}/{info.base_name}"))]
+    skipped = {}
+    for info in store.list_files(SKIPPED):
+        for r in iter_jsonl(store.read_bytes(f"{SKIPPED}/{info.base_name}")):
+            skipped[r["sample_id"]] = r["reason"]
+    return dict(sorted(trained.items())), skipped
+
+
+def verify_ledger(store: Store) -> dict:
+    """Check exactly-once: no row trained twice, none both trained and skipped; counts per outcome."""
+    trained, skipped = read_ledger(store)
+    seen: dict[str, int] = {}
+    duplicates = []
+    for step, ids in trained.items():
+        for sid in ids:
+            if sid in seen:
+                duplicates.append((sid, seen[sid], step))
+            seen[sid] = step
+    return {
+        "steps": len(trained),
+        "trained": len(seen),
+        "skipped": len(skipped),
+        "expired": sum(1 for r in skipped.values() if r == "expired"),
+        "duplicates": duplicates,
+        "trained_and_skipped": sorted(set(seen) & set(skipped)),
+    }
+
+
+# ------------------------------------------------------------------ publishing
+def publish_version(store: Store, version: int, objective: torch.nn.Module, tokenizer, *, rank: int = 0,
+                    distributed: bool = False) -> None:
+    """Publish the current student weights as `policy/v<version>` (a collective under torchrun)."""
+    from opd_cache.models import save_causal_lm
+
+    model = objective.model
+    full = None
+    if distributed:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(objective, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return
+    if store.exists(f"{store.policy_dir(version)}/{COMPLETE_MARKER}") and store.latest_version() >= version:
+        return  # published before a crash; the resumed run does not move LATEST back
+    folder = tempfile.mkdtemp(prefix=f"opd-policy-v{version:06d}-")
+    try:
+        if full is None:
+            save_causal_lm(model, tokenizer, folder)
+        else:
+            prefix = "model."
+            tied = _tied_names(model)  # e.g. lm_head.weight when tied to the embeddings: saved once
+            state = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix) and k[len(prefix):] not in tied}
+            from transformers.utils import logging as hf_logging
+
+            was_enabled = hf_logging.is_progress_bar_enabled()
+            hf_logging.disable_progress_bar()
+            try:
+                model.save_pretrained(folder, state_dict=state)
+            finally:
+                if was_enabled:
+                    hf_logging.enable_progress_bar()
+            tokenizer.save_pretrained(folder)
+        store.publish_policy(version, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _tied_names(model: torch.nn.Module) -> set[str]:
+    """Names of parameters that are the same object as an earlier one (tied weights)."""
+    seen, tied = set(), set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+        seen.add(id(param))
+    return tied
+
+
+def write_progress(store: Store, *, step: int, policy_version: int, cursor: dict, extra: dict | None = None) -> None:
+    """`train/progress.json`, read by rollout for pacing (backlog = rows − consumed − expired)."""
+    store.write_progress({
+        "step": step,
+        "policy_version": policy_version,
+        # rows the trainer is done with without expiring them: trained, plus rows routed to no teacher
+        "consumed_samples": cursor["trained_samples"] + cursor["unrouted_samples"],
+        "expired_samples": cursor["expired_samples"],
+        "consumed_shards": len(cursor["finished"]),
+        "trained_samples": cursor["trained_samples"],
+        "unrouted_samples": cursor["unrouted_samples"],
+        "current_shard": cursor["current"],
+        "current_shard_rows": cursor["current_rows"],
+        "time": round(time.time(), 3),
+        **(extra or {}),
+    })

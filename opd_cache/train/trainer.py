@@ -1,0 +1,429 @@
+"""`opd train`: the student trainer.
+
+Read top to bottom:
+
+1. `init_distributed`: one process, or one per rank under `torchrun` (gloo on
+   CPU, NCCL on GPU), plus a gloo group for the data loader's broadcasts.
+2. `check_inputs`: every bad input the trainer can detect before training,
+   each with one message naming the flag, field or file.
+3. `Trainer.__init__`: load the student, wrap it in the loss module
+   (objective.py), shard it with FSDP2 under torchrun (fsdp.py), build AdamW,
+   and resume from the newest complete state in `train/state/` if any.
+4. `Trainer.run`: take each step's decoded micro-batches from the prefetch
+   thread (loader.py), accumulate gradients over them, clip, step; then write
+   the ledger, publish a policy version every `publish_every` steps, write
+   progress, save the resume state every `save_every` steps, log metrics.
+5. At the end: publish the final weights, save the state, write `train/DONE`
+   when `max_steps` was reached (or `--follow` gave up after `idle_timeout`).
+
+Policy versions: the student at step s (1-based) has version
+anchor_version + (s − 1 − anchor_step) // publish_every, where the anchor is
+(0, LATEST) for a fresh run and moves when a run ends between publications.
+Knowing the version of every future step lets the stream judge staleness
+while it prefetches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from opd_cache.config import Config, TrainConfig
+from opd_cache.engines import resolve_device
+from opd_cache.losses import LOSSES, POLICY_GRADIENT, token_losses
+from opd_cache.metrics import MetricsLog
+from opd_cache.store import Store
+from opd_cache.train.checkpoint import (
+    clear_ledger_after, complete_states, load_state, publish_version, save_state, write_consumed, write_progress,
+)
+from opd_cache.train.loader import BatchLoader, LoadedStep
+from opd_cache.train.objective import DistillationObjective, LossOptions
+from opd_cache.train.shard_data import ShardCache, required_teachers
+from opd_cache.train.stream import ShardStream, StreamCursor, StreamEnd
+
+# Diagnostics of the losses module averaged over the step's tokens (weighted by each micro-batch's count).
+MEAN_DIAGNOSTICS = ("loss_mean", "teacher_mass_support", "student_mass_support", "teacher_tail_mass",
+                    "student_tail_mass", "topk_overlap", "k1")
+
+
+# ---------------------------------------------------------------------- 1. processes
+@dataclass
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    mesh: object = None
+    data_group: object = None
+    owns_group: bool = False
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_distributed(device_name: str = "auto") -> DistEnv:
+    """Single process unless WORLD_SIZE > 1 (torchrun); then one process group per the device type."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_device(device_name)
+    if world_size == 1:
+        return DistEnv(device=device)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    mesh = init_device_mesh(device.type, (world_size,))
+    data_group = dist.new_group(backend="gloo")  # the loader thread's broadcasts, apart from training collectives
+    return DistEnv(dist.get_rank(), world_size, device, mesh, data_group, owns)
+
+
+# ---------------------------------------------------------------------- 2. bad input
+def check_inputs(cfg: TrainConfig, run: dict, world_size: int) -> None:
+    """Refuse what cannot work, before loading anything big."""
+    if cfg.loss not in LOSSES and cfg.loss != POLICY_GRADIENT:
+        raise ValueError(f"--loss {cfg.loss!r} is not a loss; use one of {', '.join([*LOSSES, POLICY_GRADIENT])}")
+    if cfg.max_staleness < 0:
+        raise ValueError(f"--max-staleness {cfg.max_staleness}: must be >= 0 (0 = synchronous on-policy training)")
+    if cfg.global_batch_samples is not None and cfg.global_batch_samples < world_size:
+        raise ValueError(f"--global-batch-samples {cfg.global_batch_samples} is smaller than the world size "
+                         f"{world_size}: every rank needs at least one sample per step")
+    if cfg.global_batch_tokens is not None and cfg.global_batch_tokens < world_size:
+        raise ValueError(f"--global-batch-tokens {cfg.global_batch_tokens} is smaller than the world size {world_size}")
+    if cfg.support == "union" and not run.get("student_topk"):
+        raise ValueError("--support union needs the student's top-k ids in the rollout shards (student_topk_ids), "
+                         "but run.json has no student_topk: roll out with rollout.student_topk > 0 or use --support teacher")
+    # Let the losses module check the option combination on an empty batch (k1 without PG, tail none + jsd, ...).
+    k = 2
+    try:
+        token_losses(torch.zeros(0, k + 1), torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k),
+                     divergence=cfg.loss, tail=cfg.tail, beta=cfg.beta, sampled_ids=torch.zeros(0, dtype=torch.long),
+                     teacher_token_logprobs=torch.zeros(0), behavior_logprobs=torch.zeros(0),
+                     clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                     importance_cap=cfg.importance_cap if cfg.loss == POLICY_GRADIENT else None)
+    except ValueError as e:
+        raise ValueError(f"--loss {cfg.loss} --tail {cfg.tail}: {e}") from None
+
+
+def learning_rate(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over `warmup_steps`, then constant or cosine decay to `min_lr` at `max_steps`."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class TrainResult:
+    step: int
+    policy_version: int
+    stopped: str
+    trained_samples: int
+    expired_samples: int
+
+
+# ---------------------------------------------------------------------- 3-5. the trainer
+class Trainer:
+    def __init__(self, config: Config, env: DistEnv, console=None):
+        from opd_cache.models import load_causal_lm
+        from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+        self.config, self.cfg, self.env = config, config.train, env
+        self.console = console if env.rank == 0 else None
+        self.metrics = self.tensorboard = None  # rank 0 opens them when training starts
+        cfg = self.cfg
+        self.store = Store(config.store.uri, s3_endpoint=config.store.s3_endpoint)
+        run = self.store.require_run()
+        check_inputs(cfg, run, env.world_size)
+        student = cfg.student or run.get("student")
+        if not student:
+            raise ValueError("no student model: pass --student PATH (run.json has no 'student' either)")
+        self.tokenizer = load_tokenizer(student, trust_remote_code=cfg.trust_remote_code)
+        fingerprint = tokenizer_fingerprint(self.tokenizer)
+        if run.get("tokenizer_fingerprint") and run["tokenizer_fingerprint"] != fingerprint:
+            raise ValueError(f"--student {student}: its tokenizer (fingerprint {fingerprint}) is not the run's "
+                             f"({run['tokenizer_fingerprint']} in {self.store.path('run.json')}); "
+                             f"train the student whose tokenizer sampled the rollouts")
+        if not required_teachers(run) and not cfg.follow:
+            raise ValueError(f"{self.store.path('run.json')} names no teachers: run `opd annotate` on this store "
+                             f"first, or pass --follow to wait for it")
+        if env.rank == 0:  # the other stages pace themselves with it; a contradicting value is refused
+            self.store.ensure_run(max_staleness=cfg.max_staleness)
+        env.barrier()
+        self.run_manifest = self.store.require_run()
+        torch.manual_seed(cfg.seed)
+
+        # model, loss module, sharding, optimizer
+        model = load_causal_lm(student, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+        if cfg.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.objective = DistillationObjective(model, LossOptions(
+            divergence=cfg.loss, tail=cfg.tail, beta=cfg.beta, chunk_size=cfg.chunk_size,
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, importance_cap=cfg.importance_cap,
+            distill_weight=cfg.distill_weight, task_reward_weight=cfg.task_reward_weight))
+        self.low_precision = self._low_precision_dtype()
+        self.objective.to(env.device)
+        if env.distributed:
+            from opd_cache.train.fsdp import apply_fsdp
+
+            apply_fsdp(self.objective, env.mesh, param_dtype=self.low_precision)
+        self.optimizer = torch.optim.AdamW(self.objective.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                           weight_decay=cfg.weight_decay)
+
+        # resume
+        self.step, self.saved_step, self.saved_cursor = 0, -1, None
+        self.version = self.store.latest_version()
+        self.anchor_step, self.anchor_version, self.published_step = 0, self.version, 0
+        self.cursor = StreamCursor().to_dict()
+        states = complete_states(self.store)
+        if states:
+            state = load_state(self.store, states[-1], self.objective, self.optimizer, rank=env.rank)
+            self.step = self.saved_step = state["step"]
+            self.version, self.cursor = state["policy_version"], state["cursor"]
+            self.saved_cursor = self.cursor
+            self.anchor_step, self.anchor_version = state["anchor_step"], state["anchor_version"]
+            self.published_step = state["published_step"]
+            if self.console:
+                self.console.print(f"resuming from {self.store.path(f'train/state/step-{self.step:06d}')} "
+                                   f"(step {self.step}, policy version {self.version})")
+        if env.rank == 0:
+            clear_ledger_after(self.store, self.step, self.cursor["finished"])
+        env.barrier()
+
+    def _low_precision_dtype(self) -> torch.dtype | None:
+        mode, device = self.cfg.mixed_precision, self.env.device
+        if mode == "bf16":
+            return torch.bfloat16
+        if mode == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return None
+
+    def version_of_step(self, step: int) -> int:
+        return self.anchor_version + (step - 1 - self.anchor_step) // self.cfg.publish_every
+
+    def trainer_state(self) -> dict:
+        return {"step": self.step, "policy_version": self.version, "cursor": self.cursor,
+                "anchor_step": self.anchor_step, "anchor_version": self.anchor_version,
+                "published_step": self.published_step, "world_size": self.env.world_size,
+                "loss": self.cfg.loss, "time": round(time.time(), 3)}
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> TrainResult:
+        cfg, env, store = self.cfg, self.env, self.store
+        if self.step >= cfg.max_steps:
+            if self.console:
+                self.console.print(f"already at step {self.step} >= --max-steps {cfg.max_steps}; nothing to train")
+            self._finish("max_steps")
+            return self._result("max_steps")
+        if env.rank == 0:
+            if store.is_done():
+                store.delete("train/DONE")  # training continues: a larger --max-steps than the finished run's
+            self.metrics = MetricsLog(store, "train", "0")
+            # records of steps after the resumed state are logged again by this run
+            self.metrics.lines = [line for line in self.metrics.lines if json.loads(line).get("step", 0) <= self.step]
+            self.tensorboard = self._tensorboard() if cfg.tensorboard else None
+
+        cache = ShardCache(store, self.run_manifest, required_teachers(self.run_manifest),
+                           need_support=cfg.support == "union")
+        stream = None
+        if env.rank == 0:
+            stream = ShardStream(store, self.run_manifest, cache, max_staleness=cfg.max_staleness,
+                                 batch_samples=cfg.global_batch_samples, batch_tokens=cfg.global_batch_tokens,
+                                 follow=cfg.follow, poll_seconds=cfg.poll_seconds, idle_timeout=cfg.idle_timeout,
+                                 cursor=StreamCursor.from_dict(self.cursor))
+        scorer = None
+        if cfg.task_reward_weight > 0:
+            from opd_cache.train.task_reward import score_batch
+
+            scorer = lambda batch: score_batch(batch, cache, self.tokenizer)  # noqa: E731
+        loader = BatchLoader(cache=cache, stream=stream, rank=env.rank, world_size=env.world_size,
+                             group=env.data_group, first_step=self.step + 1, max_steps=cfg.max_steps,
+                             version_of_step=self.version_of_step, micro_batch_tokens=cfg.micro_batch_tokens,
+                             aggregation=cfg.aggregation, scorer=scorer, pad_id=self.tokenizer.pad_token_id or 0,
+                             prefetch=cfg.prefetch_batches, pin_memory=env.device.type == "cuda").start()
+        stopped = "max_steps"
+        try:
+            while self.step < cfg.max_steps:
+                t0 = time.perf_counter()
+                item = loader.get()
+                queue_wait = time.perf_counter() - t0
+                if isinstance(item, StreamEnd):
+                    self.cursor = item.cursor
+                    stopped = item.reason
+                    break
+                self._train_step(item, queue_wait)
+        finally:
+            loader.close()
+        self._finish(stopped)
+        return self._result(stopped)
+
+    def _train_step(self, item: LoadedStep, queue_wait: float) -> None:
+        cfg, env = self.cfg, self.env
+        batch = item.batch
+        t0 = time.perf_counter()
+        self.step += 1
+        lr = learning_rate(self.step, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.objective.train()
+        # local sums: [loss, tokens, Σ tokens·mean for each MEAN_DIAGNOSTICS, task_loss, distill_loss]
+        sums = torch.zeros(3 + len(MEAN_DIAGNOSTICS) + 2, dtype=torch.float64)
+        extremes = torch.tensor([math.inf, math.inf], dtype=torch.float64)  # [loss_min, -loss_max]
+        last = len(item.micro_batches) - 1
+        for i, micro in enumerate(item.micro_batches):
+            if env.distributed:
+                self.objective.set_requires_gradient_sync(i == last)
+            with self._autocast():
+                loss, _, diag = self.objective(micro.to(env.device))
+            loss.backward()
+            tokens = float(diag["tokens"])
+            sums[0] += float(loss.detach())
+            sums[1] += tokens
+            if tokens > 0:
+                for j, key in enumerate(MEAN_DIAGNOSTICS):
+                    if key in diag:
+                        sums[2 + j] += tokens * float(diag[key])
+                extremes[0] = min(extremes[0], float(diag["loss_min"]))
+                extremes[1] = min(extremes[1], -float(diag["loss_max"]))
+            if "task_loss" in diag:
+                sums[-2] += float(diag["task_loss"])
+                sums[-1] += float(diag["distill_loss"])
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.objective.parameters(), cfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if env.distributed:
+            sums = sums.to(env.device)
+            extremes = extremes.to(env.device)
+            dist.all_reduce(sums)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
+            sums, extremes = sums.cpu(), extremes.cpu()
+        step_time = time.perf_counter() - t0
+        self.cursor = batch.cursor
+
+        # the step is done: ledger, publication, progress, resume state, metrics
+        if env.rank == 0:
+            write_consumed(self.store, self.step, batch)
+        if (self.step - self.anchor_step) % cfg.publish_every == 0:
+            self._publish()
+        if env.rank == 0:
+            write_progress(self.store, step=self.step, policy_version=self.version, cursor=self.cursor)
+        if self.step % cfg.save_every == 0:
+            self._save()
+        if env.rank == 0:
+            tokens = float(sums[1])
+            record = {
+                "step": self.step, "policy_version": self.version, "trained_version": batch.version, "lr": lr,
+                "loss": float(sums[0]), "grad_norm": float(grad_norm), "samples": batch.num_rows,
+                "tokens": int(tokens), "input_tokens": int((batch.prompt_lengths + batch.response_lengths).sum()),
+                "micro_batches": len(item.micro_batches), "step_time_s": step_time,
+                "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
+                "data_wait_s": queue_wait, "stream_wait_s": batch.wait_seconds, "decode_s": item.decode_seconds,
+                "expired_rows": batch.expired_rows, "expired_total": self.cursor["expired_samples"],
+                "staleness": batch.staleness_histogram(),
+                "loss_min": float(extremes[0]) if tokens else None,
+                "loss_max": -float(extremes[1]) if tokens else None,
+            }
+            for j, key in enumerate(MEAN_DIAGNOSTICS):
+                record[key] = float(sums[2 + j]) / tokens if tokens else None
+            if cfg.task_reward_weight > 0:
+                record["task_loss"], record["distill_loss"] = float(sums[-2]), float(sums[-1])
+                record["task_reward_mean"] = float(batch.rewards.mean()) if batch.rewards is not None else None
+            self._log(record)
+
+    def _autocast(self):
+        if self.env.distributed or self.low_precision is None:
+            return contextlib.nullcontext()  # FSDP2's MixedPrecisionPolicy casts the parameters itself
+        return torch.autocast(self.env.device.type, dtype=self.low_precision)
+
+    def _publish(self) -> None:
+        self.version += 1
+        publish_version(self.store, self.version, self.objective, self.tokenizer, rank=self.env.rank,
+                        distributed=self.env.distributed)
+        self.published_step = self.step
+
+    def _save(self) -> None:
+        save_state(self.store, self.step, self.objective, self.optimizer, self.trainer_state(),
+                   rank=self.env.rank, distributed=self.env.distributed, keep=self.cfg.keep_states)
+        self.saved_step, self.saved_cursor = self.step, self.cursor
+
+    def _finish(self, stopped: str) -> None:
+        """Publish what was trained since the last version, save the state, mark DONE if finished."""
+        if self.step > self.published_step:
+            self._publish()
+            self.anchor_step, self.anchor_version = self.step, self.version  # later steps count from here
+        if (self.step, self.cursor) != (self.saved_step, self.saved_cursor):
+            self._save()
+        if self.env.rank == 0:
+            write_progress(self.store, step=self.step, policy_version=self.version, cursor=self.cursor)
+            if stopped == "max_steps" or (self.cfg.follow and "idle" in stopped):
+                self.store.mark_done(f"{stopped} at step {self.step}")
+            if self.metrics is not None:
+                self.metrics.flush()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
+            if self.console:
+                self.console.print(f"[bold green]stopped[/] ({stopped}) at step {self.step}, policy version "
+                                   f"{self.version}; trained {self.cursor['trained_samples']} samples, "
+                                   f"{self.cursor['expired_samples']} expired")
+        self.env.barrier()
+
+    def _result(self, stopped: str) -> TrainResult:
+        return TrainResult(self.step, self.version, stopped, self.cursor["trained_samples"],
+                           self.cursor["expired_samples"])
+
+    # ------------------------------------------------------------------ reporting
+    def _tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ValueError("train.tensorboard needs the tensorboard package: pip install tensorboard") from e
+        if self.store.is_local:
+            log_dir = self.store.local_path("metrics/tensorboard")
+        else:
+            log_dir = os.path.join("tensorboard", self.run_manifest["run_id"])
+        return SummaryWriter(log_dir=str(log_dir))
+
+    def _log(self, record: dict) -> None:
+        self.metrics.log(record)
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tensorboard.add_scalar(f"train/{key}", value, record["step"])
+        if self.console:
+            stale = " ".join(f"{k}:{v}" for k, v in record["staleness"].items())
+            self.console.print(
+                f"step {record['step']:>5}/{self.cfg.max_steps} v{record['policy_version']} "
+                f"loss {record['loss']:.4f} gnorm {record['grad_norm']:.3f} lr {record['lr']:.2e} "
+                f"{record['tokens_per_s']:,.0f} tok/s wait {record['data_wait_s']:.2f}s "
+                f"staleness[{stale}] expired {record['expired_total']}", highlight=False)
+
+
+def train(config: Config, console=None) -> TrainResult:
+    """Run the trainer (single process, or this rank of a torchrun job) until it stops."""
+    env = init_distributed(config.train.device)
+    try:
+        return Trainer(config, env, console=console).run()
+    finally:
+        env.close()

@@ -81,6 +81,9 @@ class AnnotateConfig(Section):
     device: str = "auto"
     attn_implementation: str = "sdpa"
     tensor_parallel_size: int = Field(1, ge=1)
+    padding_side: Literal["right", "left"] = "right"  # hf engine; both give the same log-probs
+    head_chunk_tokens: int | None = Field(None, ge=1)  # positions per output-layer chunk (None: 256 MiB of logits)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # vllm engine
     compression: Literal["none", "zstd", "lz4"] = "none"
     routing_key: str = "data_source"
     # multi-teacher routing: routing-key value -> teacher name. Without routing one teacher annotates
@@ -135,6 +138,10 @@ class TrainConfig(Section):
     poll_seconds: float = Field(1.0, gt=0)
     tensorboard: bool = False
     trust_remote_code: bool = False
+    # --follow stops (and writes train/DONE) after this many seconds without admissible data; None = wait forever
+    idle_timeout: float | None = Field(None, gt=0)
+    keep_states: int = Field(2, ge=1)  # resume states kept in train/state/
+    prefetch_batches: int = Field(2, ge=1)  # decoded steps queued ahead of the trainer
 
     @model_validator(mode="after")
     def _one_batch_unit(self):
@@ -158,10 +165,14 @@ class RunConfig(Section):
     """`opd run`: the three stages as processes on one store."""
 
     rollout_workers: int = Field(1, ge=1)
-    annotate_workers: int = Field(1, ge=1)
-    max_restarts: int = Field(3, ge=0)
-    sync: bool = False
-    evaluate: bool = True
+    annotate_workers: int = Field(1, ge=1)  # per teacher
+    teachers: dict[str, str] = {}  # name -> checkpoint; empty = annotate.teacher_name -> annotate.teacher
+    max_restarts: int = Field(3, ge=0)  # per stage, before the run fails
+    sync: bool = False  # lockstep generate -> annotate -> train (max_staleness 0)
+    evaluate: bool = True  # run an evaluator process on eval.prompts
+    eval_every: int = Field(1, ge=1)  # evaluate every N-th published version (and the last)
+    threads_per_stage: int = Field(1, ge=1)  # OMP threads of each stage process
+    drain_seconds: float = Field(60.0, ge=0)  # after training: time for the evaluator to finish
 
 
 class Config(Section):

@@ -30,6 +30,9 @@ class MetricsLog:
         if flush or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
 
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in self.lines]
+
     def flush(self) -> None:
         self.store.write_bytes(self.rel, ("\n".join(self.lines) + "\n").encode() if self.lines else b"")
         self._last_flush = time.monotonic()

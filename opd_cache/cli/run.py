@@ -1,15 +1,50 @@
-"""`opd run`: not built yet."""
+"""`opd run` (all stages on one store, supervised) and `opd demo` (the CPU demo)."""
 
-from opd_cache.cli.common import app, not_implemented
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from opd_cache.cli.common import ConfigOpt, SetOpt, app, stage_config, user_errors
 
 
-@app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def run_command() -> None:
-    """Not implemented yet."""
-    not_implemented("run")
+def default_logs_dir(store_uri: str) -> Path:
+    return Path(store_uri).parent / "logs" if "://" not in store_uri else Path("opd-logs")
 
 
-@app.command("demo", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def demo_command() -> None:
-    """Not implemented yet."""
-    not_implemented("demo")
+@app.command("run")
+@user_errors
+def run_command(
+    store: Optional[str] = typer.Option(None, "--store", help="Store directory or URI (default: store.uri of the config)."),
+    sync: bool = typer.Option(False, "--sync", help="Lockstep generate -> annotate -> train (max_staleness 0)."),
+    logs: Optional[Path] = typer.Option(None, "--logs", help="Folder for the stages' logs and the resolved config."),
+    quiet: bool = typer.Option(False, "--quiet", help="No live dashboard."),
+    config: Optional[Path] = ConfigOpt,
+    sets: Optional[list[str]] = SetOpt,
+) -> None:
+    """Start rollout, annotate, train and an evaluator as processes on one store, until training finishes."""
+    from opd_cache.run import supervise, sync_overrides, write_resolved_config
+
+    cfg = stage_config(config, sets, **{"store.uri": store, "run.sync": sync or None})
+    if cfg.run.sync:
+        cfg = sync_overrides(cfg)
+    logs = logs or default_logs_dir(cfg.store.uri)
+    resolved = write_resolved_config(cfg, logs / "config.yaml")
+    raise typer.Exit(supervise(cfg, resolved, logs, quiet=quiet))
+
+
+@app.command("demo")
+@user_errors
+def demo_command(
+    out: Path = typer.Option(Path("runs/demo"), "--out", help="Run directory (store, logs, plots, summary.json)."),
+    seed: int = typer.Option(0, "--seed"),
+    quiet: bool = typer.Option(False, "--quiet", help="No live dashboard."),
+    sets: Optional[list[str]] = SetOpt,
+) -> None:
+    """On-policy distillation on the synthetic arithmetic task, on the CPU, in minutes."""
+    from opd_cache.demo import run_demo
+
+    summary = run_demo(out, seed=seed, sets=sets or [], quiet=quiet)
+    raise typer.Exit(0 if summary["passed"] else 1)

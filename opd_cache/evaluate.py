@@ -1,0 +1,180 @@
+"""Evaluation of a student: task accuracy (strict and lenient parsers) and teacher–student KL.
+
+- Accuracy: the student answers held-out prompts (greedy, or `n` samples for
+  mean@n) and the task's reward function scores each answer with the strict
+  (`#### N`) and the lenient (last number) parser.
+- KL: on the student's own answers, the mean per-token full-vocabulary
+  KL(teacher ‖ student) — the quantity forward-KL distillation minimises, measured
+  without any top-k truncation.
+
+`evaluate_store` follows a store and evaluates each newly published policy
+version into `metrics/eval-<worker>.jsonl` (the evaluator process of `opd run`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from opd_cache.config import SamplingConfig
+from opd_cache.engines import resolve_device
+from opd_cache.engines.hf_generate import HFGenerator, Response
+from opd_cache.metrics import MetricsLog
+from opd_cache.models import load_causal_lm
+from opd_cache.store import Store
+from opd_cache.tasks.prompts import PromptSet, load_prompts
+from opd_cache.tasks.rewards import compute_score
+from opd_cache.tokenizer import check_compatible, load_tokenizer
+
+
+@dataclass
+class EvalResult:
+    strict: float  # mean strict accuracy over prompts × samples
+    lenient: float
+    kl: float | None  # mean per-token KL(teacher ‖ student) on the student's answers; None without a teacher
+    num_prompts: int
+    n: int
+    response_tokens: float  # mean answer length
+    example: str  # the first answer, for eyeballing
+
+
+def _subset(prompts: PromptSet, max_prompts: int | None) -> PromptSet:
+    if max_prompts is None or len(prompts) <= max_prompts:
+        return prompts
+    keep = slice(0, max_prompts)
+    return PromptSet(prompt_ids=prompts.prompt_ids[keep], data_source=prompts.data_source[keep],
+                     ground_truth=prompts.ground_truth[keep], extra=prompts.extra[keep],
+                     row_index=prompts.row_index[keep], source=prompts.source)
+
+
+@torch.inference_mode()
+def sequence_kl(student, teacher, prompt_ids: list[list[int]], responses: list[Response], device,
+                batch_size: int = 64) -> tuple[float, int]:
+    """Sum over response tokens of KL(teacher ‖ student) (full vocabulary), and the token count.
+
+    Sequences are right-padded; row t of a response is predicted at position
+    prompt_len + t - 1 (the off-by-one every teacher-forced scorer must get right).
+    """
+    total, count = 0.0, 0
+    for start in range(0, len(responses), batch_size):
+        batch = range(start, min(start + batch_size, len(responses)))
+        seqs = [list(prompt_ids[i]) + responses[i].token_ids.tolist() for i in batch]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for row, s in enumerate(seqs):
+            ids[row, : len(s)] = torch.tensor(s)
+            mask[row, : len(s)] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        s_logits = student(input_ids=ids, attention_mask=mask).logits.float()
+        t_logits = teacher(input_ids=ids, attention_mask=mask).logits.float()
+        vocab = min(s_logits.shape[-1], t_logits.shape[-1])  # padded embedding rows are not tokens
+        for row, i in enumerate(batch):
+            p_len, r_len = len(prompt_ids[i]), len(responses[i].token_ids)
+            if r_len == 0:
+                continue
+            pos = slice(p_len - 1, p_len - 1 + r_len)
+            log_q = F.log_softmax(s_logits[row, pos, :vocab], dim=-1)
+            log_p = F.log_softmax(t_logits[row, pos, :vocab], dim=-1)
+            total += float((log_p.exp() * (log_p - log_q)).sum())
+            count += r_len
+    return total, count
+
+
+def evaluate_model(student_path: str | os.PathLike, prompts: PromptSet, tokenizer, *, teacher=None, n: int = 1,
+                   greedy: bool = True, max_new_tokens: int = 32, device: str = "auto", seed: int = 0,
+                   engine: HFGenerator | None = None) -> EvalResult:
+    """Score one student checkpoint on `prompts` (pass `engine` to reuse a loaded model)."""
+    if engine is None:
+        engine = HFGenerator(student_path, tokenizer=tokenizer, device=device, eos_token_ids=[tokenizer.eos_token_id],
+                             pad_token_id=tokenizer.pad_token_id, vocab_limit=len(tokenizer), seed=seed)
+    else:
+        engine.load_policy(student_path)
+    # greedy = sampling from the top-1 distribution: one code path for both
+    sampling = SamplingConfig(temperature=1.0, top_k=1 if greedy else 0, max_new_tokens=max_new_tokens)
+    responses = engine.generate(prompts.prompt_ids, n=1 if greedy else n, sampling=sampling, seed=seed)
+    per_prompt = len(responses) // len(prompts)
+    texts = tokenizer.batch_decode([r.token_ids for r in responses], skip_special_tokens=True)
+    scores = [compute_score(prompts.data_source[i // per_prompt], text, prompts.ground_truth[i // per_prompt])
+              for i, text in enumerate(texts)]
+    kl = None
+    if teacher is not None:
+        prompt_of = [prompts.prompt_ids[i // per_prompt] for i in range(len(responses))]
+        total, count = sequence_kl(engine.model, teacher, prompt_of, responses, engine.device)
+        kl = total / max(count, 1)
+    return EvalResult(
+        strict=float(np.mean([s["strict"] for s in scores])),
+        lenient=float(np.mean([s["lenient"] for s in scores])),
+        kl=kl, num_prompts=len(prompts), n=per_prompt,
+        response_tokens=float(np.mean([len(r.token_ids) for r in responses])),
+        example=texts[0] if texts else "",
+    )
+
+
+def load_teacher(path: str | os.PathLike, student_tokenizer, device: str = "auto"):
+    teacher = load_causal_lm(path).to(resolve_device(device)).eval()
+    check_compatible(student_tokenizer, load_tokenizer(path), teacher.get_input_embeddings().num_embeddings,
+                     "student", str(path))
+    return teacher
+
+
+def resolve_model(model: str) -> tuple[str, int | None, Store | None]:
+    """A checkpoint folder, or a store (then its newest published version, or the student for version 0)."""
+    if Path(model, "run.json").exists() or "://" in model:
+        store = Store(model)
+        run = store.require_run()
+        version = store.latest_version()
+        if version == 0:
+            return run["student"], 0, store
+        return str(_policy_folder(store, version)), version, store
+    if not Path(model).exists():
+        raise FileNotFoundError(f"--model {model}: no such checkpoint folder or store")
+    return model, None, None
+
+
+def _policy_folder(store: Store, version: int) -> Path:
+    rel = store.policy_dir(version)
+    if store.is_local:
+        return store.local_path(rel)
+    return store.download_dir(rel, Path(tempfile.mkdtemp(prefix="opd-eval-")) / rel)
+
+
+def evaluate_store(store: Store, prompts_path: str, *, teacher_path: str | None, max_prompts: int = 200,
+                   max_new_tokens: int = 32, every: int = 1, follow: bool = True, poll_seconds: float = 2.0,
+                   device: str = "auto", worker: str = "0") -> list[dict]:
+    """Evaluate version 0 and then every `every`-th published version (and the last) into the metrics."""
+    run = store.require_run()
+    tokenizer = load_tokenizer(run["student"])
+    prompts = _subset(load_prompts(prompts_path, tokenizer), max_prompts)
+    teacher = load_teacher(teacher_path, tokenizer, device) if teacher_path else None
+    log = MetricsLog(store, "eval", worker)
+    done_versions = {r["version"] for r in log.records()}
+    engine = None
+    results = []
+    while True:
+        finished = store.is_done()  # read before listing: a version published before DONE is still seen
+        versions = [0] + store.policy_versions()
+        # every `every`-th version, and the final one once training is done
+        todo = [v for v in versions if v not in done_versions and (v % every == 0 or (finished and v == versions[-1]))]
+        for version in todo:
+            path = run["student"] if version == 0 else _policy_folder(store, version)
+            if engine is None:
+                engine = HFGenerator(path, tokenizer=tokenizer, device=device, eos_token_ids=[tokenizer.eos_token_id],
+                                     pad_token_id=tokenizer.pad_token_id, vocab_limit=len(tokenizer))
+            result = evaluate_model(path, prompts, tokenizer, teacher=teacher, max_new_tokens=max_new_tokens,
+                                    engine=engine)
+            record = {"version": version, **asdict(result)}
+            log.log(record, flush=True)
+            results.append(record)
+            done_versions.add(version)
+        if finished or not follow:
+            return results
+        time.sleep(poll_seconds)
+

@@ -1,0 +1,66 @@
+"""Write docs/configuration.md from the typed config (opd_cache/config.py): every key, type and default.
+
+    python scripts/config_reference.py          # rewrite the page
+    python scripts/config_reference.py --check  # exit 1 if the page is out of date (the test suite runs this)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from opd_cache.config import Config
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+
+HEADER = """# Configuration reference
+
+Generated from `opd_cache/config.py` by `python scripts/config_reference.py`; do not edit by hand.
+
+Every stage reads one YAML file (`--config FILE`) with the sections below, then its own flags, then
+`--set section.key=value` overrides (highest priority). Unknown keys and wrong types are refused with a
+message naming the key, the value and what was expected. Example: `examples/arithmetic_cpu/config.yaml`.
+"""
+
+
+def _type_name(annotation) -> str:
+    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+    return text or str(annotation).replace("typing.", "").replace("NoneType", "None")
+
+
+def section_rows(model: type[BaseModel], prefix: str) -> list[str]:
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}.{name}"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows.extend(section_rows(annotation, key))
+            continue
+        default = field.default
+        default_text = "" if default is None else f"`{default!r}`"
+        constraints = ", ".join(str(m) for m in field.metadata)
+        rows.append(f"| `{key}` | `{_type_name(annotation)}` | {default_text} | {constraints} |")
+    return rows
+
+
+def render() -> str:
+    parts = [HEADER]
+    for name, field in Config.model_fields.items():
+        model = field.annotation
+        doc = (model.__doc__ or "").strip().splitlines()[0] if model.__doc__ else ""
+        parts.append(f"\n## `{name}`\n\n{doc}\n\n| key | type | default | constraints |\n|---|---|---|---|")
+        parts.append("\n".join(section_rows(model, name)))
+    return "\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    text = render()
+    if "--check" in sys.argv:
+        if not PAGE.exists() or PAGE.read_text() != text:
+            print(f"{PAGE} is out of date: run python scripts/config_reference.py")
+            sys.exit(1)
+        sys.exit(0)
+    PAGE.write_text(text)
+    print(f"wrote {PAGE}")

@@ -28,11 +28,15 @@ class Section(BaseModel):
 
 
 class StoreConfig(Section):
+    """Where the stages meet: a directory or an object-store prefix."""
+
     uri: str = "store"  # a directory, file://…, s3://bucket/prefix, gs://…
     s3_endpoint: str | None = None  # e.g. http://127.0.0.1:9000 for MinIO / moto
 
 
 class SamplingConfig(Section):
+    """How the student samples during rollout."""
+
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # 0 = no top-k filtering
@@ -41,6 +45,8 @@ class SamplingConfig(Section):
 
 
 class RolloutConfig(Section):
+    """`opd rollout`: the student samples responses and publishes rollout shards."""
+
     student: str | None = None  # version 0; defaults to run.json's student
     prompts: str | None = None
     n: int = Field(4, ge=1)  # samples per prompt
@@ -68,6 +74,8 @@ class RolloutConfig(Section):
 
 
 class AnnotateConfig(Section):
+    """`opd annotate`: the teacher scores rollout shards (top-k log-probs per token)."""
+
     teacher: str | None = None
     teacher_name: str = "teacher"
     top_k: int = Field(32, ge=1)
@@ -103,6 +111,8 @@ class AnnotateConfig(Section):
 
 
 class TrainConfig(Section):
+    """`opd train`: the FSDP2 student trainer (losses: docs/losses.md)."""
+
     student: str | None = None
     loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd | k2 | k3 | abs | pg (policy-gradient OPD)
     tail: Literal["bucket", "renorm", "none"] = "bucket"
@@ -153,6 +163,8 @@ class TrainConfig(Section):
 
 
 class EvalConfig(Section):
+    """`opd eval` and the evaluator process of `opd run`."""
+
     prompts: str | None = None
     teacher: str | None = None
     max_prompts: int = Field(200, ge=1)

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import inspect
+import re
 import sys
 from pathlib import Path
 
@@ -30,8 +32,36 @@ def _type_name(annotation) -> str:
     return text or str(annotation).replace("typing.", "").replace("NoneType", "None")
 
 
+SYMBOLS = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
+
+
+def field_comments(model: type[BaseModel]) -> dict[str, str]:
+    """The `# comment` written after (or on the line above) each field in config.py: the field's documentation."""
+    comments, pending = {}, []
+    for line in inspect.getsource(model).splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending.append(stripped.lstrip("# "))
+            continue
+        m = re.match(r"\s+(\w+):[^#]*(?:#\s*(.*))?$", line)
+        if m:
+            comments[m[1]] = " ".join(pending + ([m[2]] if m[2] else []))
+        pending = []
+    return comments
+
+
+def constraint_text(metadata) -> str:
+    parts = []
+    for item in metadata:
+        for attr, symbol in SYMBOLS.items():
+            if getattr(item, attr, None) is not None:
+                parts.append(f"{symbol} {getattr(item, attr)}")
+    return ", ".join(parts)
+
+
 def section_rows(model: type[BaseModel], prefix: str) -> list[str]:
     rows = []
+    comments = field_comments(model)
     for name, field in model.model_fields.items():
         key = f"{prefix}.{name}"
         annotation = field.annotation
@@ -40,8 +70,9 @@ def section_rows(model: type[BaseModel], prefix: str) -> list[str]:
             continue
         default = field.default
         default_text = "" if default is None else f"`{default!r}`"
-        constraints = ", ".join(str(m) for m in field.metadata)
-        rows.append(f"| `{key}` | `{_type_name(annotation)}` | {default_text} | {constraints} |")
+        type_text = _type_name(annotation).replace("|", "\\|")
+        rows.append(f"| `{key}` | `{type_text}` | {default_text} | {constraint_text(field.metadata)} | "
+                    f"{comments.get(name, '').replace('|', '/')} |")
     return rows
 
 
@@ -50,7 +81,7 @@ def render() -> str:
     for name, field in Config.model_fields.items():
         model = field.annotation
         doc = (model.__doc__ or "").strip().splitlines()[0] if model.__doc__ else ""
-        parts.append(f"\n## `{name}`\n\n{doc}\n\n| key | type | default | constraints |\n|---|---|---|---|")
+        parts.append(f"\n## `{name}`\n\n{doc}\n\n| key | type | default | range | meaning |\n|---|---|---|---|---|")
         parts.append("\n".join(section_rows(model, name)))
     return "\n".join(parts) + "\n"
 

@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO / "data" / "tokenizer"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub; fail fast instead of timing out
 
 
 @pytest.fixture(scope="session")

@@ -118,12 +118,19 @@ def dashboard(store: Store, stages: list[StageProcess]) -> Table:
     last = train[-1] if train else {}
     evals = metrics.get("eval-0", [])
     versions = sorted({s.policy_version for s in shards})
+    rollout_rate = [r["tokens_per_s"] for name, rs in metrics.items() if name.startswith("rollout-")
+                    for r in rs[-1:] if "tokens_per_s" in r]
+    annotate_rate = [r["tokens_per_s"] for name, rs in metrics.items() if name.startswith("annotate-")
+                     for r in rs if r.get("event") == "annotated"][-1:]
     summary = {
-        "rollout": f"{len(shards)} shards, versions {versions[0]}..{versions[-1]}" if shards else "no shards yet",
-        "annotate": f"{sum(len(t) for t in parts.values())} parts over {len(parts)} shards",
+        "rollout": (f"{len(shards)} shards, versions {versions[0]}..{versions[-1]}"
+                    + (f", {sum(rollout_rate):.0f} tok/s" if rollout_rate else "")) if shards else "no shards yet",
+        "annotate": (f"{sum(len(t) for t in parts.values())} parts over {len(parts)} shards"
+                     + (f", {annotate_rate[0]:.0f} tok/s" if annotate_rate else "")),
         "train": (f"step {progress.get('step', 0)}, version {progress.get('policy_version', 0)}, "
                   f"{progress.get('consumed_samples', 0)} samples, {progress.get('expired_samples', 0)} expired"
                   + (f", loss {last.get('loss', float('nan')):.4f}" if last else "")
+                  + (f", staleness {last.get('staleness')}" if last.get("staleness") else "")
                   + (f", {last.get('tokens_per_s', 0):.0f} tok/s" if last.get("tokens_per_s") else "")),
         "eval": (f"v{evals[-1]['version']}: strict {evals[-1]['strict']:.2f}, lenient {evals[-1]['lenient']:.2f}"
                  + (f", KL {evals[-1]['kl']:.4f}" if evals[-1].get("kl") is not None else "")) if evals else "—",

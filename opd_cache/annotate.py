@@ -111,6 +111,18 @@ def check_teacher_tokenizer(store: Store, run: dict, teacher_tok, teacher: str, 
                          f"has only {embedding_size} rows (ids >= {embedding_size} cannot be scored)")
 
 
+def _check_run_agrees(store: Store, run: dict, fields: dict, name: str, path: str) -> None:
+    """The contradiction checks of `ensure_run` and `_record_teacher`, without writing anything."""
+    for key, value in fields.items():
+        if value is not None and key in run and run[key] != value:
+            raise StoreError(f"{store.path('run.json')}: {key} is {run[key]!r} in this store but {value!r} was given; "
+                             f"use a new store for a different {key}, or drop the option to use the store's value")
+    teachers = run.get("teachers") or {}
+    if name in teachers and teachers[name] != path:
+        raise StoreError(f"{store.path('run.json')}: teacher {name!r} is {teachers[name]!r} in this store but "
+                         f"{path!r} was given; use another --teacher-name for a different model")
+
+
 def _record_teacher(store: Store, name: str, path: str) -> dict:
     """Add {name: path} to run.json's `teachers` (other teachers' jobs add theirs); refuse a different path."""
     for _ in range(5):
@@ -154,19 +166,25 @@ class Annotator:
         if cfg.routing:
             routing = {"key": cfg.routing_key, "map": dict(cfg.routing), "default": cfg.default_teacher}
 
-        # 2. record what this worker assumes; a contradicting store fails here
-        run = store.ensure_run(top_k=self.top_k, routing=routing, tokenizer_fingerprint=tokenizer_fingerprint(teacher_tok),
-                               vocab_size=self.vocab_size)
-        self.run_info = _record_teacher(store, self.teacher, teacher_path)
-        self.routing = run.get("routing")
+        # 2. what this worker assumes must agree with the store: checked before the slow model load, but
+        #    recorded only after it, so a teacher that cannot be loaded leaves run.json untouched
+        fields = dict(top_k=self.top_k, routing=routing, tokenizer_fingerprint=tokenizer_fingerprint(teacher_tok),
+                      vocab_size=self.vocab_size)
+        _check_run_agrees(store, run, fields, self.teacher, teacher_path)
+        self.routing = run.get("routing") or routing
         if self.routing and self.teacher not in {*self.routing["map"].values(), self.routing.get("default")}:
             raise ValueError(f"--teacher-name {self.teacher}: the routing in run.json sends no rows to it "
                              f"(teachers: {sorted(set(self.routing['map'].values()))}, default "
                              f"{self.routing.get('default')!r})")
-        self.max_staleness = cfg.max_staleness if cfg.max_staleness is not None else run.get("max_staleness")
 
         # 3. the engine
         self.scorer = scorer if scorer is not None else make_scorer(cfg, self.top_k, self.vocab_size)
+
+        # 4. record what this worker assumes; a store changed meanwhile by a contradicting worker fails here
+        run = store.ensure_run(**fields)
+        self.run_info = _record_teacher(store, self.teacher, teacher_path)
+        self.routing = run.get("routing")
+        self.max_staleness = cfg.max_staleness if cfg.max_staleness is not None else run.get("max_staleness")
         self.union_support = cfg.engine == "hf"  # vLLM cannot gather log-probs at arbitrary ids
         self._warned_no_support = False
         self.metrics = MetricsLog(store, "annotate", f"{self.teacher}-{cfg.worker_index}")

@@ -227,10 +227,19 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"--config {path}: file not found")
+        data = path.read_bytes()
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise ConfigError(f"--config {path}: line {line} is not valid UTF-8 (byte {e.start})") from None
+        try:
+            loaded = yaml.safe_load(text) or {}  # safe_load: a config file cannot construct Python objects
         except yaml.YAMLError as e:
-            raise ConfigError(f"--config {path}: not valid YAML ({e})") from e
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or " ".join(str(e).split())
+            raise ConfigError(f"--config {path}: not valid YAML{at}: {problem}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config {path}: expected a mapping of sections, got {type(loaded).__name__}")
         tree = loaded

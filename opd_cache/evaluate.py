@@ -125,10 +125,10 @@ def load_teacher(path: str | os.PathLike, student_tokenizer, device: str = "auto
     return teacher
 
 
-def resolve_model(model: str) -> tuple[str, int | None, Store | None]:
+def resolve_model(model: str, s3_endpoint: str | None = None) -> tuple[str, int | None, Store | None]:
     """A checkpoint folder, or a store (then its newest published version, or the student for version 0)."""
     if Path(model, "run.json").exists() or "://" in model:
-        store = Store(model)
+        store = Store(model, s3_endpoint=s3_endpoint)  # the endpoint of store.s3_endpoint, like the other stages
         run = store.require_run()
         version = store.latest_version()
         if version == 0:

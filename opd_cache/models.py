@@ -84,14 +84,26 @@ def load_causal_lm(
     path = os.fspath(path)
     if os.path.isdir(path) and not any(name.endswith(".safetensors") for name in os.listdir(path)):
         raise ValueError(f"model {path}: no *.safetensors weights in the folder (pickle checkpoints are not loaded)")
-    with _quiet_progress_bars():
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=dtype,
-            attn_implementation=attn_implementation,
-            trust_remote_code=trust_remote_code,
-            use_safetensors=True,
-        )
+    from safetensors import SafetensorError
+
+    try:
+        with _quiet_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=dtype,
+                attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code,
+                use_safetensors=True,
+            )
+    except (SafetensorError, OSError) as e:  # truncated/corrupt weights, unreadable or missing files
+        raise ValueError(f"model {path}: cannot be loaded ({' '.join(str(e).split())})") from None
+    except ValueError as e:
+        if "trust_remote_code" in str(e) and not trust_remote_code:
+            # config.json names custom code (auto_map) for a model type transformers does not know
+            raise ValueError(f"model {path}: its config.json needs custom Python code from the model folder, which "
+                             f"runs only with trust_remote_code (e.g. --set annotate.trust_remote_code=true); "
+                             f"enable it only for a model you trust") from None
+        raise
     return model.eval()
 
 

@@ -187,6 +187,12 @@ def read_shard(store, rel: str, *, kind: str | None = None, run: dict | None = N
         raise
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError, EOFError) as e:
         raise ShardError(f"{where}: truncated or not an Arrow IPC stream ({e})") from e
+    try:
+        # The IPC reader does not check that list offsets stay inside their value buffers; a crafted file
+        # would make later kernels read out of bounds. Full validation is cheap next to decoding.
+        table.validate(full=True)
+    except pa.ArrowInvalid as e:
+        raise ShardError(f"{where}: invalid Arrow data ({e})") from None
     meta = ShardMeta.from_metadata(table.schema.metadata, where)
     if kind is not None and meta.kind != kind:
         raise ShardError(f"{where}: is a {meta.kind!r} shard, expected {kind!r}")

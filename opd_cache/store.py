@@ -26,11 +26,13 @@ exists (written last), and LATEST is replaced only after that.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import re
 import secrets
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -95,6 +97,13 @@ def parse_shard_id(shard_id: str) -> tuple[int, str, int]:
 
 def _is_tmp(name: str) -> bool:
     return TMP_MARKER in name
+
+
+def _os_reason(e: OSError) -> str:
+    """'No space left on device', 'Read-only file system', ... rather than a library's whole report."""
+    if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) and e.args[0]:
+        return str(e.args[0][0][-1])  # copytree: [(src, dst, why), ...]
+    return os.strerror(e.errno) if e.errno else str(e)
 
 
 class Store:
@@ -167,29 +176,43 @@ class Store:
         """Publish `rel` atomically; `write_fn(stream)` writes the content to an output stream."""
         final = self.path(rel)
         parent = final.rsplit("/", 1)[0]
-        self._makedirs(parent)
-        if not self.is_local:
-            # A single PUT / completed multipart upload is atomic; an aborted one is never visible.
-            with self.fs.open_output_stream(final) as out:
-                write_fn(out)
-            return
-        tmp = f"{final}{TMP_MARKER}{secrets.token_hex(6)}"
+        with self._writing("write", final):
+            self._makedirs(parent)
+            if not self.is_local:
+                # A single PUT / completed multipart upload is atomic; an aborted one is never visible.
+                with self.fs.open_output_stream(final) as out:
+                    write_fn(out)
+                return
+            tmp = f"{final}{TMP_MARKER}{secrets.token_hex(6)}"
+            try:
+                with self.fs.open_output_stream(tmp) as out:
+                    write_fn(out)
+                # fsync the data before the rename so a power cut cannot expose an empty file
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, final)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+
+    @contextlib.contextmanager
+    def _writing(self, action: str, full: str):
+        """A failed write (disk full, read-only store, no permission, unreachable) as one StoreError naming the file.
+
+        The atomic writes above leave the previous version of the file untouched, so the message is all there is.
+        """
         try:
-            with self.fs.open_output_stream(tmp) as out:
-                write_fn(out)
-            # fsync the data before the rename so a power cut cannot expose an empty file
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            yield
+        except StoreError:
             raise
+        except OSError as e:
+            raise StoreError(f"cannot {action} {full}: {_os_reason(e)} (store {self.uri})") from e
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         self.write_atomic(rel, lambda out: out.write(data))
@@ -213,29 +236,33 @@ class Store:
             self.write_bytes(rel, data)
             return True
         tmp = f"{final}{TMP_MARKER}{secrets.token_hex(6)}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, final)
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
+        with self._writing("write", final):
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(tmp, final)
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
 
     def delete(self, rel: str) -> None:
-        try:
-            self.fs.delete_file(self.path(rel))
-        except FileNotFoundError:
-            pass
+        with self._writing("delete", self.path(rel)):
+            try:
+                self.fs.delete_file(self.path(rel))
+            except FileNotFoundError:
+                pass
 
     def delete_dir(self, rel: str) -> None:
-        try:
-            self.fs.delete_dir(self.path(rel))
-        except FileNotFoundError:
-            pass
+        with self._writing("delete", self.path(rel)):
+            try:
+                self.fs.delete_dir(self.path(rel))
+            except FileNotFoundError:
+                pass
 
     def list_files(self, rel: str, recursive: bool = False) -> list[pafs.FileInfo]:
         """Complete files under `rel` (never `*.tmp-*`); empty when `rel` does not exist."""
@@ -260,7 +287,11 @@ class Store:
         local_dir = Path(local_dir)
         prefix = self.path(rel) + "/"
         for info in self.list_files(rel, recursive=True):
-            target = local_dir / info.path[len(prefix):]
+            name = info.path[len(prefix):]
+            if any(part in ("", ".", "..") for part in name.split("/")):
+                # an object key like "policy/v000003/../../x" must not write outside `local_dir`
+                raise StoreError(f"{info.path}: refusing to download a file whose name leaves {self.path(rel)}")
+            target = local_dir / name
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(self.read_bytes(info.path[len(self.root) + 1:]))
         return local_dir
@@ -361,13 +392,16 @@ class Store:
             final = self.local_path(rel)
             if not (final / COMPLETE_MARKER).exists():
                 tmp = Path(f"{final}{TMP_MARKER}{secrets.token_hex(6)}")
-                import shutil
-
-                shutil.copytree(local_dir, tmp)
-                (tmp / COMPLETE_MARKER).write_text(f"{version}\n")
-                if final.exists():  # a half-made directory from a killed publish without marker
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
+                with self._writing("write", str(final)):
+                    try:
+                        shutil.copytree(local_dir, tmp)
+                        (tmp / COMPLETE_MARKER).write_text(f"{version}\n")
+                        if final.exists():  # a half-made directory from a killed publish without marker
+                            shutil.rmtree(final)
+                        os.replace(tmp, final)
+                    except BaseException:
+                        shutil.rmtree(tmp, ignore_errors=True)  # e.g. disk full: leave no half copy behind
+                        raise
         else:
             self.upload_dir(local_dir, rel)
             self.write_bytes(f"{rel}/{COMPLETE_MARKER}", f"{version}\n".encode())

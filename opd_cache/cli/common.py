@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from opd_cache.config import Config, load_config
 
@@ -36,8 +37,11 @@ def user_errors(fn: Callable) -> Callable:
 
         try:
             return fn(*args, **kwargs)
-        except (ValueError, StoreError, FileNotFoundError, PermissionError) as e:
-            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        except (ValueError, StoreError, OSError) as e:
+            # OSError: disk full, read-only or unreachable storage, missing files: the user's to fix.
+            # Messages of other libraries may span lines; the user sees one.
+            message = escape(" ".join(str(e).split()))  # escape: "[errno 30]" is not rich markup
+            err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err_console.print("interrupted")

@@ -37,12 +37,13 @@ def eval_command(
 
     if n is not None and n > 1 and greedy:
         raise ValueError("--n > 1 needs --sample (greedy decoding gives the same answer n times)")
-    cfg = stage_config(config, sets, **{"eval.prompts": prompts, "eval.teacher": teacher, "eval.n": n,
-                                        "eval.greedy": greedy if greedy is not None else (False if n and n > 1 else None),
-                                        "eval.max_prompts": max_prompts, "eval.max_new_tokens": max_new_tokens}).eval
+    full = stage_config(config, sets, **{"eval.prompts": prompts, "eval.teacher": teacher, "eval.n": n,
+                                         "eval.greedy": greedy if greedy is not None else (False if n and n > 1 else None),
+                                         "eval.max_prompts": max_prompts, "eval.max_new_tokens": max_new_tokens})
+    cfg = full.eval
     if cfg.prompts is None:
         raise ValueError("--prompts is required (or eval.prompts in --config)")
-    path, version, store = resolve_model(model)
+    path, version, store = resolve_model(model, s3_endpoint=full.store.s3_endpoint)
     if follow:
         if store is None:
             raise ValueError("--follow needs --model to be a store (a folder with run.json, or a URI)")

@@ -136,6 +136,7 @@ class VLLMGenerator:
         # collective_rpc pickles `_load_weights_on_worker` to vLLM's worker processes (our own processes);
         # vLLM V1 only allows sending functions when this is set.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        llm_kwargs.setdefault("load_format", "safetensors")  # "auto" falls back to pickled *.bin weights
         self._llm_kwargs = dict(tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
                                 max_logprobs=max_logprobs, gpu_memory_utilization=gpu_memory_utilization,
                                 trust_remote_code=trust_remote_code, logprobs_mode="processed_logprobs",

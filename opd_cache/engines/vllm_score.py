@@ -82,6 +82,7 @@ class VLLMScorer:
             gpu_memory_utilization=gpu_memory_utilization,
             max_logprobs=max_top_k,  # vLLM refuses prompt_logprobs above this (default 20)
             seed=seed,
+            load_format="safetensors",  # "auto" falls back to pickled *.bin weights, which can run code
         )
         from transformers import AutoConfig
 

@@ -100,7 +100,10 @@ def _read_jsonl(path: str, data: bytes) -> list[dict]:
         line = data.count(b"\n", 0, e.start) + 1
         raise ValueError(f"prompts file {path}: line {line} is not valid UTF-8 (byte {e.start})") from None
     if text.lstrip().startswith("["):  # a JSON array rather than JSON lines
-        rows = json.loads(text)
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"prompts file {path}: not a valid JSON array (line {e.lineno}: {e.msg})") from None
     else:
         rows = []
         for line_number, line in enumerate(text.splitlines(), start=1):
@@ -125,7 +128,10 @@ def _read_dataset_folder(path: str, split: str | None) -> dict[str, list]:
     import datasets
 
     saved = any(os.path.exists(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json"))
-    data = datasets.load_from_disk(path) if saved else datasets.load_dataset(path)
+    try:
+        data = datasets.load_from_disk(path) if saved else datasets.load_dataset(path)
+    except RuntimeError as e:  # e.g. a folder holding a loading script, which datasets >= 4 refuses to run
+        raise ValueError(f"prompts {path}: not readable as a dataset folder ({e})") from None
     if isinstance(data, datasets.DatasetDict):
         if split is None and len(data) == 1:
             split = next(iter(data))
@@ -143,7 +149,11 @@ def read_columns(path: str | os.PathLike, split: str | None = None) -> dict[str,
     if "://" not in path and os.path.isdir(path):
         return _read_dataset_folder(path, split)
     if path.endswith(".parquet"):
-        return pq.read_table(pa.BufferReader(_read_bytes(path))).to_pydict()
+        data = _read_bytes(path)
+        try:
+            return pq.read_table(pa.BufferReader(data)).to_pydict()
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"prompts file {path}: not a readable parquet file ({e})") from None
     if path.endswith((".jsonl", ".json")):
         return _rows_to_columns(_read_jsonl(path, _read_bytes(path)))
     raise ValueError(f"prompts file {path}: unknown format; expected .parquet, .jsonl, .json or a datasets folder")

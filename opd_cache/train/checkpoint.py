@@ -25,13 +25,28 @@ Policy version N: rank 0 gathers the full state dict
 checkpoint (safetensors, config, tokenizer) to a local temporary folder and
 `store.publish_policy(N, folder)` copies it into `policy/v<N>` atomically and
 then replaces `policy/LATEST`.
+
+Untrusted files. DCP writes its `.metadata` with pickle and the non-tensor
+entries of a state (the optimizer's hyper-parameters) with `torch.save`, and
+its default reader unpickles both without restriction: a crafted resume state
+in a writable store could run code in the trainer. `load_state` therefore reads
+`.metadata` with an unpickler that builds only DCP's metadata classes, torch
+sizes/dtypes/layouts and plain values, and lets a non-tensor entry through only
+if `torch.load(weights_only=True)` accepts it (tensors DCP already loads that
+way). Anything else stops the trainer with a message naming the state folder.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import dataclasses
+import enum
+import io
 import json
+import logging
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -41,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from opd_cache.store import COMPLETE_MARKER, Store, iter_jsonl
+from opd_cache.store import COMPLETE_MARKER, Store, StoreError, iter_jsonl
 
 STATE_ROOT = "train/state"
 CONSUMED = "train/consumed"
@@ -99,9 +114,14 @@ def save_state(store: Store, step: int, objective: torch.nn.Module, optimizer: t
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
     _barrier(distributed)
-    with warnings.catch_warnings():  # single process: DCP warns that it saves without a process group
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # single process: DCP warns that it saves without a process group
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+    except CheckpointException as e:  # a BaseException: the CLI would print DCP's whole report
+        raise StoreError(f"cannot write the resume state {store.path(rel)}: {_checkpoint_reason(e)}") from None
     (folder / f"rng-{rank}.json").write_text(json.dumps(_rng_state()))
     if rank == 0:
         (folder / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
@@ -139,20 +159,105 @@ def load_state(store: Store, step: int, objective: torch.nn.Module, optimizer: t
     else:
         cleanup = folder = Path(tempfile.mkdtemp(prefix="opd-state-"))
         store.download_dir(rel, folder)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         model_sd, optim_sd = get_state_dict(objective, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        with warnings.catch_warnings():
+        reader, planner = _safe_dcp_loaders(str(folder))
+        with warnings.catch_warnings(), _quiet_dcp_logging():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=str(folder))
+            dcp.load(state, storage_reader=reader, planner=planner)
         set_state_dict(objective, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rng = folder / f"rng-{rank}.json"
         if rng.exists():  # absent when resuming with more ranks than saved
             _set_rng_state(json.loads(rng.read_text()))
         return json.loads((folder / "trainer.json").read_text())
+    except (CheckpointException, Exception) as e:  # truncated, tampered with, or of another model
+        reason = _checkpoint_reason(e) if isinstance(e, CheckpointException) else f"{type(e).__name__}: {e}"
+        raise StoreError(f"{store.path(rel)}: the resume state cannot be loaded ({' '.join(reason.split())}); "
+                         f"move it out of {store.path(STATE_ROOT)} to resume from the previous state") from None
     finally:
         if cleanup is not None:
             shutil.rmtree(cleanup, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _quiet_dcp_logging():
+    """DCP logs each failed metadata read with a traceback on the root logger; the error we raise says it all."""
+
+    def not_dcp(record: logging.LogRecord) -> bool:
+        return "torch/distributed/checkpoint" not in record.pathname.replace(os.sep, "/")
+
+    logging.root.addFilter(not_dcp)
+    try:
+        yield
+    finally:
+        logging.root.removeFilter(not_dcp)
+
+
+def _checkpoint_reason(e) -> str:
+    """The underlying errors of a DCP CheckpointException (its str() is a whole traceback per rank)."""
+    return "; ".join(f"{type(exc).__name__}: {exc}" for exc, *_ in e.failures.values())
+
+
+# DCP metadata classes are dataclasses and enums of these modules; everything else a resume state's
+# `.metadata` needs is listed here.
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("builtins", "set"),
+                     ("builtins", "frozenset")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata` but refuses any other global (a crafted file cannot call os.system & co.)."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        if module in _DCP_MODULES:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                return obj
+        raise pickle.UnpicklingError(f".metadata refers to {module}.{name}, which a resume state never holds")
+
+
+def _safe_dcp_loaders(folder: str):
+    """(storage reader, load planner) for `dcp.load` that deserialize nothing but plain data.
+
+    Defined here rather than at module level: importing torch.distributed.checkpoint takes seconds.
+    """
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        """FileSystemReader whose `.metadata` is read with `_MetadataUnpickler` (same file, same result)."""
+
+        def read_metadata(self, *args, **kwargs):
+            rank = kwargs.get("rank")
+            name = ".metadata" if rank is None else f"__{rank}.metadata"
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        """Non-tensor entries must pass `torch.load(weights_only=True)` before DCP deserializes them."""
+
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            data = value.read()
+            try:
+                torch.load(io.BytesIO(data), weights_only=True)
+            except Exception as e:
+                raise pickle.UnpicklingError(f"entry {read_item.dest_index.fqn!r} is not plain data: "
+                                             f"{' '.join(str(e).split())[:200]}") from None
+            super().load_bytes(read_item, io.BytesIO(data))  # the same bytes, so only weights_only-safe objects
+
+    return SafeReader(folder), SafeLoadPlanner()
 
 
 # ------------------------------------------------------------------ ledger

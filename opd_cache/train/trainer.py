@@ -18,7 +18,7 @@ Read top to bottom:
 
 Policy versions: the student at step s (1-based) has version
 anchor_version + (s − 1 − anchor_step) // publish_every, where the anchor is
-(0, LATEST) for a fresh run and moves when a run ends between publications.
+(0, 0) for a run without a resume state and moves when a run ends between publications.
 Knowing the version of every future step lets the stream judge staleness
 while it prefetches.
 """
@@ -192,7 +192,12 @@ class Trainer:
 
         # resume
         self.step, self.saved_step, self.saved_cursor = 0, -1, None
-        self.version = self.store.latest_version()
+        # Without a resume state the model is the student, version 0, even when LATEST is higher: a trainer
+        # killed after its first publication but before its first state starts over, re-deriving versions
+        # 1, 2, ... (publish_version keeps what exists, LATEST never moves back). Counting on from LATEST
+        # instead would number the student's weights as a later version.
+        self.store.latest_version()  # a LATEST naming a missing version fails here, before training
+        self.version = 0
         self.anchor_step, self.anchor_version, self.published_step = 0, self.version, 0
         self.cursor = StreamCursor().to_dict()
         states = complete_states(self.store)

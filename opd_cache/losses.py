@@ -622,6 +622,28 @@ def _detach(stats: _VocabStats) -> _VocabStats:
 # ---------------------------------------------------------------------------
 
 
+def _fused_chunk(h: Tensor, w: Tensor, t: _Targets, weights: Tensor, opts: _Options, need_grad: bool, want_diag: bool):
+    """One chunk: (per-token losses, d(sum weights*loss)/d(logits) or None, diagnostic parts or None).
+
+    The logits buffer [n, V] is the only large allocation; it becomes the gradient in place.
+    """
+    logits = h @ w.t()
+    stats, buf, aux, topk_ids = _reduce_vocab(logits, t, overwrite=True, student_topk=t.topk if want_diag else 0)
+    grad_logits = None
+    if need_grad:
+        reductions = (stats.lse, stats.z_support, stats.lse_tail, stats.z_sampled)
+        leaves = [x.detach().requires_grad_() for x in reductions]
+        with torch.enable_grad():  # a tiny local graph on [n, |S| + 3] numbers
+            loss_rows = _per_token(_VocabStats(*leaves), t, opts)
+            grads = torch.autograd.grad((loss_rows * weights).sum(), leaves, allow_unused=True)
+        loss_rows = loss_rows.detach()
+        grad_logits = _vocab_grad_(buf, aux, stats, t, *grads)
+    else:
+        loss_rows = _per_token(stats, t, opts)
+    diag_rows = _diagnostic_parts(stats, t, loss_rows, topk_ids) if want_diag else None
+    return loss_rows, grad_logits, diag_rows
+
+
 class _FusedTokenLosses(torch.autograd.Function):
     """sum_i w_i * loss_i from hidden states without materialising [N, V].
 
@@ -647,30 +669,19 @@ class _FusedTokenLosses(torch.autograd.Function):
             end = min(n, start + chunk_size)
             h = hidden[start:end].to(dtype)
             t = targets.rows(start, end)
-            logits = h @ w.t()  # [n_chunk, V], the only [chunk, V] buffer
-            student_topk = t.topk if diag_out is not None else 0
-            stats, buf, aux, topk_ids = _reduce_vocab(logits, t, overwrite=True, student_topk=student_topk)
-            if need_hidden or need_weight:
-                reductions = (stats.lse, stats.z_support, stats.lse_tail, stats.z_sampled)
-                leaves = [x.detach().requires_grad_() for x in reductions]
-                with torch.enable_grad():
-                    loss_rows = _per_token(_VocabStats(*leaves), t, opts)
-                    weighted = (loss_rows * token_weights[start:end]).sum()
-                    grads = torch.autograd.grad(weighted, leaves, allow_unused=True)
-                loss_rows = loss_rows.detach()
-                grad_logits = _vocab_grad_(buf, aux, stats, t, *grads)
-                if need_hidden:
-                    torch.mm(grad_logits, w, out=grad_hidden[start:end])
-                if need_weight and grad_weight is None:
-                    grad_weight = grad_logits.t() @ h
-                elif need_weight:
-                    grad_weight.addmm_(grad_logits.t(), h)
-            else:
-                loss_rows = _per_token(stats, t, opts)
+            loss_rows, grad_logits, diag_rows = _fused_chunk(
+                h, w, t, token_weights[start:end], opts, need_hidden or need_weight, diag_out is not None
+            )
+            if need_hidden:
+                torch.mm(grad_logits, w, out=grad_hidden[start:end])
+            if need_weight and grad_weight is None:
+                grad_weight = grad_logits.t() @ h
+            elif need_weight:
+                grad_weight.addmm_(grad_logits.t(), h)
+            del grad_logits  # free this chunk's [chunk, V] buffer before the next chunk allocates one
             per_token[start:end] = loss_rows
-            if diag_out is not None:
-                parts.append(_diagnostic_parts(stats, t, loss_rows, topk_ids))
-            del logits, buf
+            if diag_rows is not None:
+                parts.append(diag_rows)
         loss = (per_token * token_weights).sum()
         if diag_out is not None:
             diag_out.update(_diagnostics(_concat_parts(parts, per_token), token_weights != 0))

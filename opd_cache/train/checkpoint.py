@@ -142,6 +142,8 @@ def save_state(store: Store, step: int, objective: torch.nn.Module, optimizer: t
             store.write_bytes(f"{rel}/{COMPLETE_MARKER}", f"{step}\n".encode())
             shutil.rmtree(folder, ignore_errors=True)
         for old in complete_states(store)[:-keep]:
+            # the marker first: a deletion cut short by a kill leaves an incomplete state, never a damaged "complete" one
+            store.delete(f"{state_rel(old)}/{COMPLETE_MARKER}")
             store.delete_dir(state_rel(old))
     _barrier(distributed)
 

@@ -1,0 +1,117 @@
+"""Kill points for the chaos test: stop a stage process at the moments worth killing it.
+
+The chaos driver puts this folder on PYTHONPATH of the stage processes it
+starts, so Python imports this file at start-up (`sitecustomize`). With
+`OPD_CHAOS_DIR` set, it wraps three functions that every store write goes
+through and, at each *kill point*, with probability `OPD_CHAOS_PAUSE` (per
+kind of file), stops its own process with SIGSTOP after writing the point's
+name to `$OPD_CHAOS_DIR/pause-<pid>`. The driver, which watches its children,
+then either SIGKILLs the stopped process (a kill exactly at that point) or
+resumes it with SIGCONT. Nothing else changes: the stage runs its real code,
+and the kill is the same SIGKILL a preempted machine gets.
+
+Kill points (`<kind>:<moment>`; kind from the store path, e.g. `rollout-shard`,
+`annotated-part`, `policy`, `policy-latest`, `train-state`, `ledger`):
+
+- `<kind>:open` — `Store.write_atomic` has written the content but not closed
+  the stream (local: a partial `*.tmp-*` file; S3: an upload not completed);
+- `<kind>:before-rename` — a complete `*.tmp-*` file or folder, not renamed;
+- `<kind>:after-rename` — a folder (policy version, train state) just renamed
+  into place, before the next action (LATEST, old states' deletion);
+- `<kind>:published` — `write_atomic` returned (the file is visible);
+- `train-state:saved-locally` — DCP wrote the state folder; rng/trainer.json
+  and the marker not yet (local), nothing uploaded yet (S3).
+"""
+
+from __future__ import annotations
+
+import os
+
+_DIR = os.environ.get("OPD_CHAOS_DIR")
+
+
+def _install() -> None:
+    import pathlib
+    import random
+    import signal
+
+    import opd_cache.store as store_module
+
+    real_replace = os.replace
+    real_write_text = pathlib.Path.write_text
+    real_write_atomic = store_module.Store.write_atomic
+    local_root = os.environ.get("OPD_CHAOS_STORE_ROOT", "")
+    # per kind: probability of pausing at each of its points; "*" for kinds not listed
+    probabilities = {"*": 0.0}
+    for item in os.environ.get("OPD_CHAOS_PAUSE", "").split(","):
+        if "=" in item:
+            kind, p = item.split("=")
+            probabilities[kind.strip()] = float(p)
+    rng = random.Random(f"{os.environ.get('OPD_CHAOS_SEED', '0')}-{os.getpid()}")
+
+    up_marker_written: list[bool] = []
+
+    def kind_of(rel: str) -> str:
+        rel = rel.split(".tmp-")[0]
+        for prefix, kind in (("rollouts/", "rollout-shard"), ("annotated/", "annotated-part"),
+                             ("policy/LATEST", "policy-latest"), ("policy/", "policy"),
+                             ("train/state", "train-state"), ("train/consumed/", "ledger"),
+                             ("train/skipped/", "skipped-ledger"), ("train/progress", "progress"),
+                             ("train/DONE", "done-marker"), ("metrics/", "metrics"), ("run.json", "run-manifest"),
+                             ("quarantine/", "quarantine")):
+            if rel.startswith(prefix):
+                return kind
+        return "other"
+
+    def relative(path: str) -> str | None:
+        path = str(path)
+        if local_root and path.startswith(local_root + "/"):
+            return path[len(local_root) + 1:]
+        return None
+
+    def pause(kind: str, moment: str) -> None:
+        if rng.random() >= probabilities.get(kind, probabilities["*"]):
+            return
+        marker = os.path.join(_DIR, f"pause-{os.getpid()}")
+        with open(marker + ".new", "w") as f:
+            f.write(f"{kind}:{moment}")
+        real_replace(marker + ".new", marker)
+        os.kill(os.getpid(), signal.SIGSTOP)  # the driver SIGKILLs us here, or sends SIGCONT
+
+    def write_atomic(self, rel, write_fn):
+        kind = kind_of(rel)
+        if not up_marker_written:
+            up_marker_written.append(True)  # lets the driver tell a kill at start-up from one at work
+            open(os.path.join(_DIR, f"up-{os.getpid()}"), "w").close()
+
+        def write(out):
+            write_fn(out)
+            pause(kind, "open")
+
+        real_write_atomic(self, rel, write)
+        pause(kind, "published")
+
+    def replace(src, dst, *args, **kwargs):
+        rel = relative(os.fspath(dst))
+        if rel is None or ".tmp-" not in os.fspath(src):
+            return real_replace(src, dst, *args, **kwargs)
+        kind = kind_of(rel)
+        pause(kind, "before-rename")
+        result = real_replace(src, dst, *args, **kwargs)
+        if os.path.isdir(dst):
+            pause(kind, "after-rename")
+        return result
+
+    def write_text(self, *args, **kwargs):
+        name = str(self)
+        if self.name.startswith("rng-") and (".tmp-save" in name or "/opd-state-" in name):
+            pause("train-state", "saved-locally")
+        return real_write_text(self, *args, **kwargs)
+
+    store_module.Store.write_atomic = write_atomic
+    os.replace = replace
+    pathlib.Path.write_text = write_text
+
+
+if _DIR:
+    _install()

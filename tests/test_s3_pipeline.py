@@ -1,0 +1,87 @@
+"""The tiny `opd run` of tests/test_run.py with its store on an S3-compatible server (moto on 127.0.0.1).
+
+Every stage process reaches the server through `store.s3_endpoint` in the
+configuration and the AWS_* credentials in its environment (no OPD_S3_ENDPOINT):
+nothing is written to a local store, and the checks read everything back over S3.
+The chaos driver's S3 run is `tests/chaos/test_chaos.py::test_kill_anything_on_an_s3_store`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from opd_cache.metrics import read_metrics
+from opd_cache.store import Store
+from opd_cache.train.checkpoint import complete_states, read_ledger, verify_ledger
+from tests.test_run import BATCH, STEPS, exit_codes, tiny_config
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def s3_run(tmp_path_factory, s3_endpoint):
+    tmp = tmp_path_factory.mktemp("s3run")
+    bucket = f"opdrun{int(time.time() * 1000) % 10**8}"
+    uri = f"s3://{bucket}/run"
+    env = {k: v for k, v in os.environ.items() if k not in ("OPD_S3_ENDPOINT", "AWS_ENDPOINT_URL")}
+    env.update(CREDENTIALS)
+    patch = pytest.MonkeyPatch()  # the Store of this process (the checks) needs the credentials too
+    for key, value in CREDENTIALS.items():
+        patch.setenv(key, value)
+    Store(uri, s3_endpoint=s3_endpoint).fs.create_dir(bucket)
+    config_path = tiny_config(tmp)
+    config = yaml.safe_load(config_path.read_text())
+    config["store"] = {"uri": uri, "s3_endpoint": s3_endpoint}
+    config_path.write_text(yaml.safe_dump(config))
+    cmd = [sys.executable, "-m", "opd_cache.cli", "run", "--config", str(config_path), "--quiet"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp, env=env)
+    yield tmp, Store(uri, s3_endpoint=s3_endpoint), out
+    patch.undo()
+
+
+def test_opd_run_on_s3_completes_and_the_store_holds_shards_versions_and_ledger(s3_run):
+    tmp, store, out = s3_run
+    assert out.returncode == 0, out.stderr + str(exit_codes(tmp / "opd-logs"))
+    assert not (tmp / "store").exists(), "nothing may be written to a local store"
+    assert store.is_done()
+    shards = store.list_rollout_shards()
+    parts = store.list_annotated_parts()
+    assert len(shards) >= STEPS, "at least one shard per optimizer step"
+    progress = store.read_progress()
+    assert progress["step"] == STEPS and progress["consumed_samples"] == STEPS * BATCH
+    assert store.policy_versions() == [1, 2] and store.latest_version() == 2  # publish_every 2 over 4 steps
+    assert complete_states(store)[-1] == STEPS
+    ledger, _ = read_ledger(store)
+    trained = [sid for step in sorted(ledger) for sid in ledger[step]]
+    assert len(trained) == STEPS * BATCH and len(set(trained)) == len(trained)
+    assert not verify_ledger(store)["duplicates"]
+    # every trained row was annotated by the teacher
+    assert {sid.rsplit("-", 1)[0] for sid in trained} <= {s for s, teachers in parts.items() if "teacher" in teachers}
+    # the evaluator scored version 0 and the published versions, reading them from S3
+    versions = sorted(r["version"] for r in read_metrics(store, "eval")["eval-0"])
+    assert versions == [0, 1, 2]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_write_that_fails_half_way_publishes_nothing(where, request):
+    """Closing an S3 output stream completes the upload with what was written so far, even after an exception
+    (a second Ctrl-C in `opd rollout`, an error half-way): the store must keep the previous object, or none."""
+    store = request.getfixturevalue("local_store" if where == "local" else "s3_store")
+    store.write_bytes("rollouts/old.arrow", b"complete")
+
+    def half(out):
+        out.write(b"half of a shard")
+        raise KeyboardInterrupt
+
+    for rel in ("rollouts/old.arrow", "rollouts/new.arrow"):
+        with pytest.raises(KeyboardInterrupt):
+            store.write_atomic(rel, half)
+    assert store.read_bytes("rollouts/old.arrow") == b"complete"
+    assert not store.exists("rollouts/new.arrow")
+    assert [i.base_name for i in store.list_files("rollouts")] == ["old.arrow"]

@@ -68,7 +68,9 @@ def sync_overrides(cfg: Config) -> Config:
     cfg.train.max_staleness = 0
     cfg.train.publish_every = 1
     cfg.rollout.max_staleness = 0
-    cfg.rollout.max_buffer_samples = batch
+    # rollout pauses while backlog > max_buffer_samples: one row less than a batch makes it wait for the
+    # next version after each batch (with `= batch` it samples a second batch of the old version, which expires)
+    cfg.rollout.max_buffer_samples = max(batch - 1, 1)
     cfg.rollout.flush_rows = batch
     cfg.annotate.max_staleness = 0
     cfg.run.rollout_workers = 1

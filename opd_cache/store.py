@@ -179,9 +179,14 @@ class Store:
         with self._writing("write", final):
             self._makedirs(parent)
             if not self.is_local:
-                # A single PUT / completed multipart upload is atomic; an aborted one is never visible.
+                # A single PUT / completed multipart upload is atomic; an aborted one is never visible. But
+                # closing an S3 stream completes the upload with whatever was written, also when write_fn
+                # raised (a second Ctrl-C, an error half-way): produce the content in memory first.
+                sink = pa.BufferOutputStream()
+                write_fn(sink)
+                data = sink.getvalue()
                 with self.fs.open_output_stream(final) as out:
-                    write_fn(out)
+                    out.write(data)
                 return
             tmp = f"{final}{TMP_MARKER}{secrets.token_hex(6)}"
             try:

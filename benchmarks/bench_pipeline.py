@@ -71,13 +71,17 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -142,6 +146,45 @@ def run_config(out: Path, seed: int, sets: list[str], *, steps: int, eval_every_
     return cfg
 
 
+class Clock:
+    """Wall time, CPU time of every process the run started, and the machine's load while it ran.
+
+    CPU time comes from getrusage(RUSAGE_CHILDREN): it includes grandchildren (the
+    supervisor's stages) once they have been waited for, which the supervisor does
+    for every stage that exits by itself. It measures the work done (sampling,
+    teacher forwards, training, evaluation, start-up), which the load of other
+    jobs changes much less than the wall time.
+    """
+
+    def __init__(self):
+        self.loads: list[float] = []
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self.start = time.time()
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self._cpu0 = usage.ru_utime + usage.ru_stime
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(5.0):
+            self.loads.append(os.getloadavg()[0])
+
+    def __exit__(self, *exc):
+        self.wall_s = time.time() - self.start
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.cpu_s = usage.ru_utime + usage.ru_stime - self._cpu0
+        self._stop.set()
+        return False
+
+    def record(self, status: int, command: list[str]) -> dict:
+        return {"status": status, "start": self.start, "wall_s": self.wall_s, "cpu_s": self.cpu_s,
+                "load_avg": sum(self.loads) / len(self.loads) if self.loads else os.getloadavg()[0],
+                "command": command}
+
+
 def child_env(threads: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
@@ -156,8 +199,7 @@ def run_pipeline(name: str, out: Path, cfg: Config, *, timeout: float) -> dict:
     if cfg.run.sync:
         argv.append("--sync")
     print(f"[{name}] {' '.join(argv[2:])}", flush=True)
-    start = time.time()
-    with open(out / "run.log", "wb") as log:
+    with Clock() as clock, open(out / "run.log", "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(cfg.run.threads_per_stage),
                                 start_new_session=True)
         try:
@@ -165,7 +207,7 @@ def run_pipeline(name: str, out: Path, cfg: Config, *, timeout: float) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGTERM)  # the supervisor stops its stages on SIGTERM
             status = proc.wait(30)
-    return {"status": status, "start": start, "wall_s": time.time() - start, "command": argv[2:]}
+    return clock.record(status, argv[2:])
 
 
 def make_replay_store(source: Path, dest: Path) -> None:
@@ -188,8 +230,7 @@ def run_replay(out: Path, cfg: Config, *, timeout: float) -> dict:
     eval_argv = [*CLI, "eval", "--model", cfg.store.uri, "--follow", "--every", str(cfg.run.eval_every),
                  "--config", str(config_path), "--teacher", str(cfg.eval.teacher)]
     print(f"[replay] {' '.join(train_argv[2:])}  +  {' '.join(eval_argv[2:])}", flush=True)
-    start = time.time()
-    with open(logs / "train.log", "wb") as train_log, open(logs / "eval.log", "wb") as eval_log:
+    with Clock() as clock, open(logs / "train.log", "wb") as train_log, open(logs / "eval.log", "wb") as eval_log:
         trainer = subprocess.Popen(train_argv, stdout=train_log, stderr=subprocess.STDOUT, env=env,
                                    start_new_session=True)
         evaluator = subprocess.Popen(eval_argv, stdout=eval_log, stderr=subprocess.STDOUT, env=env,
@@ -204,8 +245,7 @@ def run_replay(out: Path, cfg: Config, *, timeout: float) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(evaluator.pid, signal.SIGTERM)
             eval_status = evaluator.wait(30)
-    status = status or eval_status
-    return {"status": status, "start": start, "wall_s": time.time() - start, "command": train_argv[2:]}
+    return clock.record(status or eval_status, train_argv[2:])
 
 
 # ---------------------------------------------------------------------- what the store says
@@ -234,7 +274,7 @@ def measure(store_path: Path, clock: dict) -> dict:
     final = curve[-1] if curve else None
     steps = summary["steps"]
     return {
-        **{k: clock[k] for k in ("status", "wall_s", "command")},
+        **{k: clock[k] for k in ("status", "wall_s", "cpu_s", "load_avg", "command")},
         "time_to_last_step_s": train[-1]["time"] - clock["start"] if train else None,
         "train_span_s": train[-1]["time"] - train[0]["time"] if len(train) > 1 else None,
         "seconds_per_step": (train[-1]["time"] - train[0]["time"]) / (len(train) - 1) if len(train) > 1 else None,
@@ -249,6 +289,8 @@ def measure(store_path: Path, clock: dict) -> dict:
         "trainer_compute_s": step_time,
         "trainer_data_wait_s": wait,
         "trainer_busy_share": step_time / (step_time + wait) if step_time + wait > 0 else None,
+        # the machine's speed while this run trained (the same work per step in every run of part 1)
+        "trainer_median_step_s": float(np.median([r["step_time_s"] for r in train])) if train else None,
         "final": final,
         "final_is_last_version": bool(final and train and final["version"] == train[-1]["policy_version"]),
         "curve": curve,
@@ -263,22 +305,38 @@ def _fmt(x, spec=".3f"):
 
 
 def pipeline_table(results: dict) -> str:
+    """Cost: wall time (noisy), CPU time of all processes (the work), how busy the trainer was."""
     base = results["sync"]
-    lines = ["| run | wall s | ×sync | to last step s | ×sync | s/step (steady) | ×sync | trainer busy | mean staleness "
-             "| generated | annotated | expired | final strict | final KL |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def ratio(r, key):
+        return _fmt(r[key] / base[key] if r.get(key) and base.get(key) else None, ".2f")
+
+    lines = ["| run | wall s | ×sync | start → last step s | ×sync | s/step (steady) | ×sync | CPU s, all processes "
+             "| ×sync | trainer busy | trainer median step s | load avg |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in [*PIPELINE, "replay"]:
         r = results.get(name)
-        if r is None:
-            continue
-        f = r["final"] or {}
-        lines.append(
-            f"| {name} | {r['wall_s']:.0f} | {r['wall_s'] / base['wall_s']:.2f} | {_fmt(r['time_to_last_step_s'], '.0f')} "
-            f"| {_fmt(r['time_to_last_step_s'] / base['time_to_last_step_s'] if r['time_to_last_step_s'] else None, '.2f')} "
-            f"| {_fmt(r['seconds_per_step'], '.2f')} "
-            f"| {_fmt(r['seconds_per_step'] / base['seconds_per_step'] if r['seconds_per_step'] else None, '.2f')} "
-            f"| {_fmt(r['trainer_busy_share'], '.0%')} | {r['mean_staleness']:.2f} | {r['generated_samples']} "
-            f"| {r['annotated_samples']} | {r['expired_samples']} | {_fmt(f.get('strict'))} | {_fmt(f.get('kl'), '.4f')} |")
+        if r is not None:
+            lines.append(
+                f"| {name} | {r['wall_s']:.0f} | {ratio(r, 'wall_s')} | {_fmt(r['time_to_last_step_s'], '.0f')} "
+                f"| {ratio(r, 'time_to_last_step_s')} | {_fmt(r['seconds_per_step'], '.2f')} "
+                f"| {ratio(r, 'seconds_per_step')} | {_fmt(r['cpu_s'], '.0f')} | {ratio(r, 'cpu_s')} "
+                f"| {_fmt(r['trainer_busy_share'], '.0%')} | {_fmt(r['trainer_median_step_s'], '.3f')} "
+                f"| {_fmt(r['load_avg'], '.1f')} |")
+    return "\n".join(lines)
+
+
+def data_table(results: dict) -> str:
+    """What was computed and what it bought: samples, staleness, the final evaluation."""
+    lines = ["| run | generated | annotated | expired | trained | mean staleness | final version | final strict "
+             "| final lenient | final KL |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in [*PIPELINE, "replay", *LOSS_RUNS]:
+        r = results.get(name)
+        if r is not None:
+            f = r["final"] or {}
+            lines.append(f"| {name} | {r['generated_samples']} | {r['annotated_samples']} | {r['expired_samples']} "
+                         f"| {r['trained_samples']} | {r['mean_staleness']:.2f} | {f.get('version')} "
+                         f"| {_fmt(f.get('strict'))} | {_fmt(f.get('lenient'))} | {_fmt(f.get('kl'), '.4f')} |")
     return "\n".join(lines)
 
 
@@ -433,6 +491,7 @@ def main() -> None:
     print(f"\n## Pipeline ({steps} steps × 64 samples, eval every {eval_every} steps; total {total / 60:.1f} min)\n")
     if "sync" in results:
         print(pipeline_table(results))
+    print("\n" + data_table(results))
     print("\n" + staleness_table(results))
     print("\n## Losses\n")
     print(loss_table(results))

@@ -65,9 +65,9 @@ LOCAL_KEY_POINTS = {
 }
 # On object stores nothing is renamed: a write is visible once its upload completes.
 S3_KEY_POINTS = {
-    "rollout-shard:open": 2,  # upload started, not completed
+    "rollout-shard:open": 2,  # the shard serialized, not uploaded
     "annotated-part:open": 2,
-    "policy:open": 1,  # a file of policy/vN half uploaded
+    "policy:open": 1,  # a file of policy/vN not uploaded, maybe others before it
     "policy:published": 1,  # some files of policy/vN uploaded (maybe _COMPLETE too), LATEST older
     "policy-latest:open": 1,
     "train-state:saved-locally": 1,  # DCP wrote the local folder, nothing uploaded
@@ -246,7 +246,7 @@ class ChaosDriver:
         if self._quotas_met() or self.store.is_done():
             return False
         if self.report.per_point()[point] < self.settings.key_points.get(point, 0):
-            return self.rng.random() < 0.8
+            return True  # some points come once per run (done-marker): never let one pass
         if self._extra_kills_left():
             # the trainer's restarts are the run's critical path (one trainer): spend extra kills elsewhere
             return self.rng.random() < self.settings.kill_at_pause * (0.2 if kind == "train" else 1.0)

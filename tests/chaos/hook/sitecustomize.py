@@ -13,8 +13,9 @@ and the kill is the same SIGKILL a preempted machine gets.
 Kill points (`<kind>:<moment>`; kind from the store path, e.g. `rollout-shard`,
 `annotated-part`, `policy`, `policy-latest`, `train-state`, `ledger`):
 
-- `<kind>:open` — `Store.write_atomic` has written the content but not closed
-  the stream (local: a partial `*.tmp-*` file; S3: an upload not completed);
+- `<kind>:open` — `Store.write_atomic` has produced the content but not
+  published it (local: a `*.tmp-*` file, maybe partly flushed; S3: the content
+  in memory, the upload not started);
 - `<kind>:before-rename` — a complete `*.tmp-*` file or folder, not renamed;
 - `<kind>:after-rename` — a folder (policy version, train state) just renamed
   into place, before the next action (LATEST, old states' deletion);

@@ -274,7 +274,7 @@ class ChaosDriver:
     def _new_tmp_paths(self) -> list[str]:
         """Store-relative paths of `*.tmp-*` files and folders not seen before (local stores)."""
         root = Path(self.store.root)
-        folders = ["rollouts", "policy", "train/state", "train/consumed"]
+        folders = ["rollouts", "policy", "train/state"]  # shard writes, publications, resume states
         annotated = root / "annotated"
         if annotated.is_dir():
             for entry in os.scandir(annotated):

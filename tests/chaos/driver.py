@@ -131,12 +131,14 @@ class ChaosReport:
         return "\n".join(lines)
 
 
-def chaos_config(workdir: Path, store_uri: str, *, s3_endpoint: str | None = None, max_steps: int = 20) -> Path:
+def chaos_config(workdir: Path, store_uri: str, *, s3_endpoint: str | None = None,
+                 max_steps: int = 20) -> Path:
     """The tiny `opd run` configuration, shortened for killing: small shards, frequent versions and states."""
     batch = 16
     config = {
         "store": {"uri": store_uri, **({"s3_endpoint": s3_endpoint} if s3_endpoint else {})},
-        "rollout": {"student": str(REPO / "data/models/student"), "prompts": str(REPO / "data/arithmetic/train.parquet"),
+        "rollout": {"student": str(REPO / "data/models/student"),
+                    "prompts": str(REPO / "data/arithmetic/train.parquet"),
                     "n": 4, "batch_prompts": 4, "flush_rows": batch, "max_buffer_samples": 3 * batch,
                     "sampling": {"max_new_tokens": 10}, "poll_seconds": 0.2},
         "annotate": {"teacher": str(REPO / "data/models/teacher"), "top_k": 8, "poll_seconds": 0.2},

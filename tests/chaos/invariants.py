@@ -44,7 +44,7 @@ import torch
 from opd_cache.config import Config
 from opd_cache.schema import ANNOTATED, ROLLOUT, ShardMeta, check_annotation_matches, read_shard, write_shard
 from opd_cache.store import COMPLETE_MARKER, TMP_MARKER, Store, iter_jsonl, make_shard_id
-from opd_cache.train.checkpoint import CONSUMED, SKIPPED, complete_states, state_rel, verify_ledger
+from opd_cache.train.checkpoint import CONSUMED, SKIPPED, complete_states, verify_ledger
 
 REPLAY_WORKER = "replay"
 
@@ -101,7 +101,7 @@ def check_store(store: Store, cfg: Config, scratch: Path) -> dict:
 
     # 1. Every visible file is complete and readable.
     all_files = store.list_files("", recursive=True)  # never lists *.tmp-* (nor anything inside a *.tmp-* folder)
-    root = store.path("") .rstrip("/") + "/"
+    root = store.path("").rstrip("/") + "/"
     rels = [info.path[len(root):] for info in all_files]
     for rel in rels:
         if rel.endswith(".json"):
@@ -156,7 +156,7 @@ def check_store(store: Store, cfg: Config, scratch: Path) -> dict:
 
     states = complete_states(store)  # a folder without the marker (an upload or a deletion cut short) is no state
     stats["incomplete_state_folders"] = len(store.list_dirs("train/state")) - len(states)
-    assert states and states[-1] == cfg.train.max_steps, f"newest resume state {states}, expected step {cfg.train.max_steps}"
+    assert states and states[-1] == cfg.train.max_steps, f"resume states {states}, expected {cfg.train.max_steps} last"
     trainer_json = None
     for step in states:
         weights, trainer_json = read_state(store, step, run["student"])
@@ -182,8 +182,9 @@ def check_store(store: Store, cfg: Config, scratch: Path) -> dict:
     for lines in ledger.values():
         for line in lines:
             sid = line["sample_id"]
-            assert shard_of_sample.get(sid) == [line["shard_id"]], f"{sid}: in rollout shards {shard_of_sample.get(sid)}, ledger says {line['shard_id']}"
-            assert teacher_parts[line["teacher"]][sid] == 1, f"{sid}: in {teacher_parts[line['teacher']][sid]} parts of {line['teacher']}"
+            where, teacher = shard_of_sample.get(sid), line["teacher"]
+            assert where == [line["shard_id"]], f"{sid}: in rollout shards {where}, the ledger says {line['shard_id']}"
+            assert teacher_parts[teacher][sid] == 1, f"{sid}: in {teacher_parts[teacher][sid]} parts of {teacher}"
             assert sid in part_samples[(line["shard_id"], line["teacher"])]
             trained[sid] = line
     stats["trained"] = len(trained)
@@ -204,8 +205,9 @@ def check_store(store: Store, cfg: Config, scratch: Path) -> dict:
         done_rows |= set(current[: cursor["current_rows"]])
     accounted = set(trained) | set(skipped)
     assert accounted <= all_rows, f"ledger rows that are in no rollout shard: {sorted(accounted - all_rows)[:5]}"
-    assert done_rows == accounted, (f"rows of finished shards neither trained nor expired: {sorted(done_rows - accounted)[:5]}; "
-                                    f"trained/expired rows of unfinished shards: {sorted(accounted - done_rows)[:5]}")
+    assert done_rows == accounted, (f"rows of finished shards neither trained nor expired: "
+                                    f"{sorted(done_rows - accounted)[:5]}; trained or expired rows of unfinished "
+                                    f"shards: {sorted(accounted - done_rows)[:5]}")
     pending = all_rows - accounted
     progress = store.read_progress()
     assert progress["step"] == cfg.train.max_steps
@@ -236,7 +238,8 @@ def _check_prompt_streams(store: Store, shards, tables: dict[str, pa.Table], cfg
     positions = 0
     for worker in sorted({s.worker for s in shards}):
         mine = sorted((s for s in shards if s.worker == worker), key=lambda s: s.seq)
-        assert [s.seq for s in mine] == list(range(len(mine))), f"worker {worker}: shard sequence numbers {[s.seq for s in mine]}"
+        seqs = [s.seq for s in mine]
+        assert seqs == list(range(len(mine))), f"worker {worker}: shard sequence numbers {seqs}"
         index = np.concatenate([tables[s.shard_id]["prompt_index"].to_numpy() for s in mine])
         sample_index = np.concatenate([tables[s.shard_id]["sample_index"].to_numpy() for s in mine])
         meta = {k.decode(): v.decode() for k, v in tables[mine[-1].shard_id].schema.metadata.items()}

@@ -6,9 +6,11 @@ publications and checkpoints), restarting each killed stage with the same
 command; then invariants.py checks the store and retrains the consumed ledger
 in one uninterrupted `opd train`, which must give the same policy versions.
 
-Seeds: OPD_CHAOS_SEEDS="1,2,3" runs the local test once per seed (default: 1).
-One local run takes about 4-8 minutes on 2 CPU cores (restarts dominate: each
-one imports torch and loads a model again); `-s` prints the kill report.
+Seeds: OPD_CHAOS_SEEDS="1,2,3" runs the local test once per seed (default: 1);
+the S3 test uses the first. `-k local` / `-k s3` picks one; `-s` prints the
+kill report. One run uses about 350 CPU-seconds, mostly restarts (each imports
+torch and loads a model again): 5-6 minutes on a 2-core machine with some other
+load, more when it is busy. Results: docs/reliability.md, "Kill points".
 """
 
 from __future__ import annotations

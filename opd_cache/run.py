@@ -150,6 +150,27 @@ def dashboard(store: Store, stages: list[StageProcess]) -> Table:
     return table
 
 
+def poll_stages(stages: list[StageProcess], now: float, max_restarts: int) -> str | None:
+    """Record the exits of stage processes; schedule restarts with back-off. Returns the first failure for good."""
+    failure = None
+    for stage in stages:
+        code = stage.proc.poll() if stage.proc is not None else None
+        if code is None:
+            continue
+        stage.exit_codes.append(code)
+        stage.proc = None
+        if code == 0:
+            stage.finished = True
+        elif stage.restarts >= max_restarts:
+            stage.failed = True
+            failure = failure or (f"{stage.name} exited with status {code} {len(stage.exit_codes)} time(s); "
+                                  f"see {stage.log_path}")
+        else:
+            stage.restarts += 1
+            stage.next_start = now + min(2.0 ** stage.restarts, 30.0)
+    return failure
+
+
 def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False) -> int:
     """Run all stages until the trainer finishes; returns the exit status (0 = every stage succeeded)."""
     store = Store(cfg.store.uri, s3_endpoint=cfg.store.s3_endpoint)
@@ -176,19 +197,8 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
                   auto_refresh=False) if not quiet else _NullLive() as live:
             while not stop_requested:
                 now = time.monotonic()
+                failure = failure or poll_stages(stages, now, cfg.run.max_restarts)
                 for stage in stages:
-                    code = stage.proc.poll() if stage.proc is not None else None
-                    if stage.proc is not None and code is not None:
-                        stage.exit_codes.append(code)
-                        stage.proc = None
-                        if code == 0:
-                            stage.finished = True
-                        elif stage.restarts >= cfg.run.max_restarts:
-                            stage.failed = True
-                            failure = f"{stage.name} exited with status {code} {stage.restarts + 1} times; see {stage.log_path}"
-                        else:
-                            stage.restarts += 1
-                            stage.next_start = now + min(2.0 ** stage.restarts, 30.0)
                     if (stage.proc is None and not stage.finished and not stage.failed and now >= stage.next_start
                             and (stage.name.startswith("rollout") or store.exists("run.json"))):
                         stage.start(env)
@@ -197,9 +207,11 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
                 if failure or trainer.finished:
                     break
                 time.sleep(0.5)
-            # after the trainer: producers stop on DONE by themselves; the evaluator finishes the last version
+            # after the trainer: producers stop on DONE by themselves; the evaluator finishes the last version.
+            # Nothing is restarted now, so a stage that exits with an error here has failed for good.
             deadline = time.monotonic() + (cfg.run.drain_seconds if not failure and not stop_requested else 10)
-            while any(s.proc is not None and s.proc.poll() is None for s in stages) and time.monotonic() < deadline:
+            while any(s.proc is not None for s in stages) and time.monotonic() < deadline:
+                failure = failure or poll_stages(stages, time.monotonic(), max_restarts=0)
                 live.update(dashboard(store, stages), refresh=True)
                 time.sleep(0.5)
     finally:

@@ -69,7 +69,7 @@ class RolloutConfig(Section):
     follow: bool = False  # keep running until the trainer's DONE marker
     max_buffer_samples: int = Field(4096, ge=1)  # pause while the unconsumed backlog is larger
     max_staleness: int = Field(2, ge=0)  # pause while the loaded policy is further behind LATEST
-    poll_seconds: float = Field(1.0, gt=0)
+    poll_seconds: float = Field(1.0, gt=0)  # wait between store checks (new policy, backlog); each is a LIST on S3
     trust_remote_code: bool = False
 
 
@@ -100,7 +100,7 @@ class AnnotateConfig(Section):
     default_teacher: str | None = None
     follow: bool = False
     max_staleness: int | None = Field(None, ge=0)  # skip shards the trainer can no longer use
-    poll_seconds: float = Field(1.0, gt=0)
+    poll_seconds: float = Field(1.0, gt=0)  # wait between listings of new rollout shards; each is a LIST on S3
     trust_remote_code: bool = False
 
     @model_validator(mode="after")
@@ -145,7 +145,7 @@ class TrainConfig(Section):
     device: str = "auto"
     seed: int = 0
     follow: bool = False
-    poll_seconds: float = Field(1.0, gt=0)
+    poll_seconds: float = Field(1.0, gt=0)  # wait between listings of new annotated parts; on a local store 0.1 is cheap
     tensorboard: bool = False
     trust_remote_code: bool = False
     # --follow stops (and writes train/DONE) after this many seconds without admissible data; None = wait forever

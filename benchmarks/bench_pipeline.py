@@ -1,6 +1,6 @@
 """The whole OPD loop on the demo task: synchronous vs asynchronous vs replay, and four losses.
 
-    python benchmarks/bench_pipeline.py            # the measurement in docs/pipeline_benchmark.md (~35-40 min, 2 cores)
+    python benchmarks/bench_pipeline.py            # the measurement in docs/benchmarks.md (600 steps per run)
     python benchmarks/bench_pipeline.py --quick    # 40 steps per run, a smoke run (~12 min: start-up dominates)
 
 Every run trains the demo student (examples/arithmetic_cpu/config.yaml, built by
@@ -11,17 +11,9 @@ pipelines at once: the machine has two cores). Each run is `opd run --config
 the evaluator as the supervisor starts them — timed from the outside.
 
 Part 1, the pipeline (loss: forward KL on the teacher's top-8 + tail bucket):
-  sync       `opd run --sync` as shipped: max_staleness 0, a policy version per
-             step, rollout.max_buffer_samples = one batch (meant as verl's
-             lockstep generate → annotate → train; rollout pauses only while the
-             backlog is *larger* than the cap, so it samples a second batch with
-             the old policy while the first one trains, and that batch expires).
-  sync-lockstep
-             `--sync` with rollout.max_buffer_samples = 63 (one row less than a
-             batch): rollout then waits for the new version instead of sampling
-             a second batch with the old one, which max_staleness 0 expires
-             (see docs/pipeline_benchmark.md). Run without `--sync`, so that the
-             CLI does not apply sync_overrides again.
+  sync       `opd run --sync`: max_staleness 0, a policy version per step,
+             rollout waits for each new version (max_buffer_samples = one row
+             less than a batch): verl's lockstep generate → annotate → train.
   async-s1/2/4
              max_staleness s for rollout and trainer. A version every step
              (publish_every 1, pinned here, as --sync does), so that sync and
@@ -99,10 +91,9 @@ REPLAY_SOURCE = "async-s2"
 PUBLISH_EVERY = 1
 CLI = [sys.executable, "-m", "opd_cache.cli"]
 
-# name -> (description, --set overrides on the demo config, mode: "sync" | "lockstep" | "async")
+# name -> (description, --set overrides on the demo config, mode: "sync" | "async")
 PIPELINE = {
-    "sync": ("`opd run --sync` as shipped", [], "sync"),
-    "sync-lockstep": ("--sync with rollout.max_buffer_samples = batch - 1", [], "lockstep"),
+    "sync": ("`opd run --sync`", [], "sync"),
     "async-s1": ("async, max_staleness 1", ["train.max_staleness=1", "rollout.max_staleness=1"], "async"),
     "async-s2": ("async, max_staleness 2 (the demo)", ["train.max_staleness=2", "rollout.max_staleness=2"], "async"),
     "async-s4": ("async, max_staleness 4", ["train.max_staleness=4", "rollout.max_staleness=4"], "async"),
@@ -119,7 +110,7 @@ LOSS_CURVES = {"k3": "k3", "forward_kl": "async-s2", "jsd": "jsd", "reverse_kl_u
 
 # ---------------------------------------------------------------------- configs
 def run_config(out: Path, seed: int, sets: list[str], *, steps: int, eval_every_steps: int, mode: str,
-               poll: float) -> Config:
+               poll: float | None) -> Config:
     """The demo config with this run's changes, the same number of steps and evaluation cadence for all."""
     # Pinned here, not inherited from the demo config (which may change): a version per step, as --sync does,
     # so that sync and async differ only in how far rollout may run ahead.
@@ -128,21 +119,14 @@ def run_config(out: Path, seed: int, sets: list[str], *, steps: int, eval_every_
     if mode == "sync":  # what `opd run --sync` does (the CLI applies sync_overrides again: the same)
         cfg.run.sync = True
         cfg = sync_overrides(cfg)
-    elif mode == "lockstep":
-        # --sync lets rollout sample a second batch with the old policy while the first one trains
-        # (it pauses only while backlog > max_buffer_samples); with max_staleness 0 that batch always
-        # expires. One row less keeps rollout waiting for the new version: true lockstep. run.sync stays
-        # False so that the CLI does not apply sync_overrides again.
-        cfg = sync_overrides(cfg)
-        cfg.rollout.max_buffer_samples = max(1, batch - 1)
     else:
         # room for max_staleness versions of backlog: rows sampled now train at most ~s versions later
         cfg.rollout.max_buffer_samples = batch * cfg.train.publish_every * max(1, min(cfg.train.max_staleness, 64))
     # the evaluator counts versions; evaluate every `eval_every_steps` optimizer steps whatever publish_every is
     cfg.run.eval_every = max(1, eval_every_steps // cfg.train.publish_every)
     cfg.train.save_every = max(cfg.train.save_every, steps)  # resume states are not what is measured
-    # how often idle stages look at the store again; the default 1 s adds up to ~3 s per lockstep step
-    cfg.rollout.poll_seconds = cfg.annotate.poll_seconds = cfg.train.poll_seconds = poll
+    if poll is not None:  # how often idle stages look at the store again (each lockstep step waits on 3 polls)
+        cfg.rollout.poll_seconds = cfg.annotate.poll_seconds = cfg.train.poll_seconds = poll
     return cfg
 
 
@@ -404,15 +388,16 @@ def plot(results: dict, names: dict[str, str], path: Path, title: str, with_time
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="40 steps per run, eval every 10: a smoke run")
-    parser.add_argument("--steps", type=int, help="optimizer steps per run (default 300; 40 with --quick)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (default 600, the demo's; 40 with --quick)")
     parser.add_argument("--eval-every", type=int, help="evaluate every N steps (default 25; 10 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--poll", type=float, default=0.2, help="poll_seconds of rollout, annotate and train")
+    parser.add_argument("--poll", type=float, default=None,
+                        help="poll_seconds of rollout, annotate and train (default: the demo config's)")
     parser.add_argument("--out", type=Path, help="folder for the runs' stores and logs (default: a temp folder)")
     parser.add_argument("--only", nargs="*", help="a subset of runs (replay needs async-s2)")
     parser.add_argument("--keep", action="store_true", help="keep the runs' stores")
     args = parser.parse_args()
-    steps = args.steps or (40 if args.quick else 300)
+    steps = args.steps or (40 if args.quick else 600)
     eval_every = args.eval_every or (10 if args.quick else 25)
     out = args.out or Path(tempfile.mkdtemp(prefix="opd-bench-pipeline-"))
     out.mkdir(parents=True, exist_ok=True)

@@ -269,6 +269,31 @@ class Store:
             except FileNotFoundError:
                 pass
 
+    def remove_stale_tmp(self, older_than_s: float = 3600.0) -> list[str]:
+        """Delete the `*.tmp-*` files and folders that killed writers left, once older than `older_than_s`.
+
+        Only local stores have them (an object store never shows an unfinished upload). Every listing
+        ignores them already; this frees the space. The age threshold keeps the temporary files of writers
+        that are still running: a write lasts seconds, the default waits an hour. Returns what was removed.
+        """
+        if not self.is_local:
+            return []
+        root, cutoff, removed = Path(self.root), time.time() - older_than_s, []
+        for folder, dirs, files in os.walk(root):
+            for name in [*dirs, *files]:
+                if not _is_tmp(name):
+                    continue
+                path = Path(folder) / name
+                try:
+                    if path.lstat().st_mtime > cutoff:
+                        continue
+                    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+                except FileNotFoundError:  # another process swept it first
+                    continue
+                removed.append(str(path.relative_to(root)))
+            dirs[:] = [d for d in dirs if not _is_tmp(d)]  # removed, or too young: nothing to look at inside
+        return removed
+
     def list_files(self, rel: str, recursive: bool = False) -> list[pafs.FileInfo]:
         """Complete files under `rel` (never `*.tmp-*`); empty when `rel` does not exist."""
         sel = pafs.FileSelector(self.path(rel), allow_not_found=True, recursive=recursive)

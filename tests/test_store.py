@@ -173,3 +173,34 @@ def test_create_if_absent_keeps_first_writer(tmp_path):
     assert store.create_if_absent("run.json", b'{"run_id": "a"}')
     assert not store.create_if_absent("run.json", b'{"run_id": "b"}')
     assert json.loads(store.read_bytes("run.json"))["run_id"] == "a"
+
+
+def test_stale_tmp_files_of_killed_writers_are_swept_fresh_ones_kept(tmp_path):
+    store = Store(tmp_path / "store")
+    write_random_rollout_shard(store, shard_id="v000000-w00-000000")
+    root = tmp_path / "store"
+    # what killed writers leave: a shard file, an annotated part, a policy folder, a resume-state folder
+    old = [root / "rollouts/v000000-w00-000001.arrow.tmp-0a1b2c", root / "annotated/v000000-w00-000000/t.arrow.tmp-3d4e",
+           root / "policy/v000002.tmp-5f6a", root / "train/state/step-000010.tmp-save"]
+    fresh = root / "rollouts/v000000-w00-000002.arrow.tmp-7b8c"  # a writer still at work
+    for path in old[:2] + [fresh]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"partial")
+    for folder in old[2:]:
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"partial")
+    two_hours_ago = time.time() - 7200
+    for path in old:
+        os.utime(path, (two_hours_ago, two_hours_ago))
+
+    removed = store.remove_stale_tmp(older_than_s=3600)
+
+    assert sorted(removed) == sorted(str(p.relative_to(root)) for p in old)
+    assert not any(p.exists() for p in old)
+    assert fresh.exists()
+    assert [s.shard_id for s in store.list_rollout_shards()] == ["v000000-w00-000000"]
+    assert store.remove_stale_tmp(older_than_s=3600) == []
+
+
+def test_sweeping_an_object_store_is_a_no_op(s3_store):
+    assert s3_store.remove_stale_tmp(older_than_s=0) == []

@@ -213,6 +213,9 @@ class Trainer:
                                    f"(step {self.step}, policy version {self.version})")
         if env.rank == 0:
             clear_ledger_after(self.store, self.step, self.cursor["finished"])
+            swept = self.store.remove_stale_tmp()  # what killed writers of any stage left, over an hour ago
+            if swept and self.console:
+                self.console.print(f"removed {len(swept)} temporary file(s) left by killed writers, e.g. {swept[0]}")
         env.barrier()
 
     def _low_precision_dtype(self) -> torch.dtype | None:

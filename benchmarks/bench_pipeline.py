@@ -388,7 +388,7 @@ def plot(results: dict, names: dict[str, str], path: Path, title: str, with_time
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="40 steps per run, eval every 10: a smoke run")
-    parser.add_argument("--steps", type=int, help="optimizer steps per run (default 600, the demo's; 40 with --quick)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (default 600, as in docs/benchmarks.md; 40 with --quick)")
     parser.add_argument("--eval-every", type=int, help="evaluate every N steps (default 25; 10 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--poll", type=float, default=None,

@@ -396,12 +396,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="folder for the runs' stores and logs (default: a temp folder)")
     parser.add_argument("--only", nargs="*", help="a subset of runs (replay needs async-s2)")
     parser.add_argument("--keep", action="store_true", help="keep the runs' stores")
+    parser.add_argument("--results", type=Path,
+                        help="where the JSON and plots go (default: benchmarks/results, or --out with --quick)")
     args = parser.parse_args()
     steps = args.steps or (40 if args.quick else 600)
     eval_every = args.eval_every or (10 if args.quick else 25)
     out = args.out or Path(tempfile.mkdtemp(prefix="opd-bench-pipeline-"))
     out.mkdir(parents=True, exist_ok=True)
-    results_dir = out if args.quick else RESULTS
+    results_dir = args.results or (out if args.quick else RESULTS)
     timeout = 60 + steps * 4.0  # a hung run fails the benchmark instead of blocking it
 
     from rich.console import Console

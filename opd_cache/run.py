@@ -197,7 +197,7 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
                   auto_refresh=False) if not quiet else _NullLive() as live:
             while not stop_requested:
                 now = time.monotonic()
-                failure = failure or poll_stages(stages, now, cfg.run.max_restarts)
+                failure = poll_stages(stages, now, cfg.run.max_restarts)  # the loop ends at the first
                 for stage in stages:
                     if (stage.proc is None and not stage.finished and not stage.failed and now >= stage.next_start
                             and (stage.name.startswith("rollout") or store.exists("run.json"))):
@@ -211,7 +211,8 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
             # Nothing is restarted now, so a stage that exits with an error here has failed for good.
             deadline = time.monotonic() + (cfg.run.drain_seconds if not failure and not stop_requested else 10)
             while any(s.proc is not None for s in stages) and time.monotonic() < deadline:
-                failure = failure or poll_stages(stages, time.monotonic(), max_restarts=0)
+                failed_now = poll_stages(stages, time.monotonic(), max_restarts=0)  # always: it retires exited stages
+                failure = failure or failed_now
                 live.update(dashboard(store, stages), refresh=True)
                 time.sleep(0.5)
     finally:

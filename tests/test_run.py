@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,43 +96,45 @@ def test_sync_trains_on_as_many_samples_as_async_and_never_stale(async_run, sync
 
 # --- the supervisor alone, with stand-in stage processes -------------------------------------------------
 
-def fake_stages(tmp_path: Path, train_code: str, eval_code: str):
-    """A trainer and an evaluator that run the given Python snippets instead of the real stages."""
-    from opd_cache.run import StageProcess
-
-    def stage(name: str, code: str) -> StageProcess:
-        return StageProcess(name, [sys.executable, "-c", code], tmp_path / f"{name}.log")
-
-    return lambda cfg, config_path, logs: [stage("train", train_code), stage("eval", eval_code)]
-
-
-def supervise_fakes(tmp_path: Path, monkeypatch, train_code: str, eval_code: str, max_restarts: int = 0):
+def supervise_fakes(tmp_path: Path, monkeypatch, codes: dict[str, str], max_restarts: int = 0) -> int:
+    """`supervise` with stand-in stages: each named stage runs its Python snippet instead of the real command."""
     from opd_cache import run as run_module
     from opd_cache.config import load_config
+    from opd_cache.run import StageProcess
 
     store_dir = tmp_path / "store"
     store_dir.mkdir()
     (store_dir / "run.json").write_text("{}")  # the non-rollout stages start once run.json exists
     cfg = load_config(tiny_config(tmp_path), overrides={"run.max_restarts": max_restarts, "run.drain_seconds": 30})
-    monkeypatch.setattr(run_module, "stage_commands", fake_stages(tmp_path, train_code, eval_code))
+    stages = [StageProcess(name, [sys.executable, "-c", code], tmp_path / f"{name}.log") for name, code in codes.items()]
+    monkeypatch.setattr(run_module, "stage_commands", lambda cfg, config_path, logs: stages)
     return run_module.supervise(cfg, tmp_path / "config.yaml", tmp_path / "logs", quiet=True)
 
 
 def test_supervisor_fails_when_the_evaluator_fails_after_training_finished(tmp_path, monkeypatch, capsys):
-    # The trainer finishes first; the evaluator, still scoring the last version, then exits with an error.
-    status = supervise_fakes(tmp_path, monkeypatch, "pass", "import sys, time; time.sleep(2); sys.exit(3)")
+    # The trainer finishes first; the evaluator, still scoring the last version, then exits with an error;
+    # rollout stops a second later. The run fails, and ends as soon as the last stage has exited (not after
+    # the 30 s drain deadline).
+    start = time.monotonic()
+    status = supervise_fakes(tmp_path, monkeypatch, {
+        "rollout-w00": "import time; time.sleep(3)",
+        "train": "pass",
+        "eval": "import sys, time; time.sleep(2); sys.exit(3)"})
     assert status == 1
     assert "eval exited with status 3 1 time(s)" in capsys.readouterr().err
+    assert time.monotonic() - start < 15
 
 
 def test_supervisor_succeeds_when_every_stage_exits_0(tmp_path, monkeypatch, capsys):
-    assert supervise_fakes(tmp_path, monkeypatch, "import time; time.sleep(1)", "import time; time.sleep(2)") == 0
+    status = supervise_fakes(tmp_path, monkeypatch, {"train": "import time; time.sleep(1)",
+                                                     "eval": "import time; time.sleep(2)"})
+    assert status == 0
     assert capsys.readouterr().err == ""
 
 
 def test_supervisor_restarts_a_crashed_stage_then_gives_up(tmp_path, monkeypatch, capsys):
     # The trainer always crashes: started, restarted once after back-off (max_restarts 1), then failed for good.
-    status = supervise_fakes(tmp_path, monkeypatch, "import sys; sys.exit(7)", "import time; time.sleep(60)",
-                             max_restarts=1)
+    status = supervise_fakes(tmp_path, monkeypatch, {"train": "import sys; sys.exit(7)",
+                                                     "eval": "import time; time.sleep(60)"}, max_restarts=1)
     assert status == 1
     assert "train exited with status 7 2 time(s)" in capsys.readouterr().err

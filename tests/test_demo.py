@@ -1,4 +1,4 @@
-"""The demo's claims, checked on a real run (slow: ~3 minutes on 2 idle cores; `pytest -m slow`).
+"""The demo's claims, checked on a real run (slow: ~4 minutes on 2 idle cores; `pytest -m slow`).
 
 `opd demo` must show on-policy distillation working: the student's strict
 accuracy rises from ≤ 10% to ≥ 80% of the teacher's and the teacher–student KL

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from opd_cache.metrics import read_metrics
 from opd_cache.store import Store
-from opd_cache.train.checkpoint import read_ledger
+from opd_cache.train.checkpoint import complete_states, read_ledger, verify_ledger
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, BATCH = 4, 16
@@ -58,10 +59,8 @@ def sync_run(tmp_path_factory):
     return tmp, opd_run(tmp, "--sync")
 
 
-def test_run_completes_and_store_holds_shards_versions_and_ledger(async_run):
-    tmp, out = async_run
-    assert out.returncode == 0, out.stderr + str(exit_codes(tmp / "logs"))
-    store = Store(tmp / "store")
+def assert_tiny_run_finished(store: Store) -> None:
+    """What the store of a finished tiny run holds (local here, S3 in tests/test_s3_pipeline.py)."""
     assert store.is_done()
     shards = store.list_rollout_shards()
     parts = store.list_annotated_parts()
@@ -69,16 +68,22 @@ def test_run_completes_and_store_holds_shards_versions_and_ledger(async_run):
     progress = store.read_progress()
     assert progress["step"] == STEPS and progress["consumed_samples"] == STEPS * BATCH
     assert store.policy_versions() == [1, 2] and store.latest_version() == 2  # publish_every 2 over 4 steps
+    assert complete_states(store)[-1] == STEPS
     ledger, _ = read_ledger(store)
     trained = [sid for step in sorted(ledger) for sid in ledger[step]]
     assert len(trained) == STEPS * BATCH and len(set(trained)) == len(trained)
+    assert not verify_ledger(store)["duplicates"]
     # every trained row was annotated by the teacher
     assert {sid.rsplit("-", 1)[0] for sid in trained} <= {s for s, teachers in parts.items() if "teacher" in teachers}
     # the evaluator scored version 0 and the published versions
-    from opd_cache.metrics import read_metrics
-
     versions = sorted(r["version"] for r in read_metrics(store, "eval")["eval-0"])
     assert versions == [0, 1, 2]
+
+
+def test_run_completes_and_store_holds_shards_versions_and_ledger(async_run):
+    tmp, out = async_run
+    assert out.returncode == 0, out.stderr + str(exit_codes(tmp / "logs"))
+    assert_tiny_run_finished(Store(tmp / "store"))
 
 
 def test_sync_trains_on_as_many_samples_as_async_and_never_stale(async_run, sync_run):
@@ -86,8 +91,6 @@ def test_sync_trains_on_as_many_samples_as_async_and_never_stale(async_run, sync
     assert a.returncode == 0 and s.returncode == 0, s.stderr
     store = Store(tmp / "store")
     assert store.read_progress()["consumed_samples"] == STEPS * BATCH
-    from opd_cache.metrics import read_metrics
-
     train = read_metrics(store, "train")["train-0"]
     staleness = {int(k) for r in train for k in r["staleness"]}
     assert staleness == {0}, "lockstep trains only on rows of the current version"

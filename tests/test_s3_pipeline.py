@@ -16,10 +16,8 @@ import time
 import pytest
 import yaml
 
-from opd_cache.metrics import read_metrics
 from opd_cache.store import Store
-from opd_cache.train.checkpoint import complete_states, read_ledger, verify_ledger
-from tests.test_run import BATCH, STEPS, exit_codes, tiny_config
+from tests.test_run import assert_tiny_run_finished, exit_codes, tiny_config
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -49,23 +47,7 @@ def test_opd_run_on_s3_completes_and_the_store_holds_shards_versions_and_ledger(
     tmp, store, out = s3_run
     assert out.returncode == 0, out.stderr + str(exit_codes(tmp / "opd-logs"))
     assert not (tmp / "store").exists(), "nothing may be written to a local store"
-    assert store.is_done()
-    shards = store.list_rollout_shards()
-    parts = store.list_annotated_parts()
-    assert len(shards) >= STEPS, "at least one shard per optimizer step"
-    progress = store.read_progress()
-    assert progress["step"] == STEPS and progress["consumed_samples"] == STEPS * BATCH
-    assert store.policy_versions() == [1, 2] and store.latest_version() == 2  # publish_every 2 over 4 steps
-    assert complete_states(store)[-1] == STEPS
-    ledger, _ = read_ledger(store)
-    trained = [sid for step in sorted(ledger) for sid in ledger[step]]
-    assert len(trained) == STEPS * BATCH and len(set(trained)) == len(trained)
-    assert not verify_ledger(store)["duplicates"]
-    # every trained row was annotated by the teacher
-    assert {sid.rsplit("-", 1)[0] for sid in trained} <= {s for s, teachers in parts.items() if "teacher" in teachers}
-    # the evaluator scored version 0 and the published versions, reading them from S3
-    versions = sorted(r["version"] for r in read_metrics(store, "eval")["eval-0"])
-    assert versions == [0, 1, 2]
+    assert_tiny_run_finished(store)  # read back over S3
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])

@@ -111,12 +111,8 @@ def check_teacher_tokenizer(store: Store, run: dict, teacher_tok, teacher: str, 
                          f"has only {embedding_size} rows (ids >= {embedding_size} cannot be scored)")
 
 
-def _check_run_agrees(store: Store, run: dict, fields: dict, name: str, path: str) -> None:
-    """The contradiction checks of `ensure_run` and `_record_teacher`, without writing anything."""
-    for key, value in fields.items():
-        if value is not None and key in run and run[key] != value:
-            raise StoreError(f"{store.path('run.json')}: {key} is {run[key]!r} in this store but {value!r} was given; "
-                             f"use a new store for a different {key}, or drop the option to use the store's value")
+def _check_teacher(store: Store, run: dict, name: str, path: str) -> None:
+    """A teacher name recorded in run.json with another model path is a contradiction."""
     teachers = run.get("teachers") or {}
     if name in teachers and teachers[name] != path:
         raise StoreError(f"{store.path('run.json')}: teacher {name!r} is {teachers[name]!r} in this store but "
@@ -127,11 +123,9 @@ def _record_teacher(store: Store, name: str, path: str) -> dict:
     """Add {name: path} to run.json's `teachers` (other teachers' jobs add theirs); refuse a different path."""
     for _ in range(5):
         run = store.require_run()
+        _check_teacher(store, run, name, path)
         teachers = dict(run.get("teachers") or {})
         if name in teachers:
-            if teachers[name] != path:
-                raise StoreError(f"{store.path('run.json')}: teacher {name!r} is {teachers[name]!r} in this store but "
-                                 f"{path!r} was given; use another --teacher-name for a different model")
             return run
         store.write_json("run.json", {**run, "teachers": {**teachers, name: path}})
         time.sleep(0.05)  # two teachers registering at once: re-read, and retry if our entry was overwritten
@@ -170,7 +164,8 @@ class Annotator:
         #    recorded only after it, so a teacher that cannot be loaded leaves run.json untouched
         fields = dict(top_k=self.top_k, routing=routing, tokenizer_fingerprint=tokenizer_fingerprint(teacher_tok),
                       vocab_size=self.vocab_size)
-        _check_run_agrees(store, run, fields, self.teacher, teacher_path)
+        store.check_run(run, **fields)
+        _check_teacher(store, run, self.teacher, teacher_path)
         self.routing = run.get("routing") or routing
         if self.routing and self.teacher not in {*self.routing["map"].values(), self.routing.get("default")}:
             raise ValueError(f"--teacher-name {self.teacher}: the routing in run.json sends no rows to it "

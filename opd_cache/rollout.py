@@ -285,14 +285,6 @@ def _check_policy_tokenizer(path: str, fingerprint: str, version: int) -> None:
             raise ValueError(f"policy version {version} ({path}) has tokenizer {found}, this run uses {fingerprint}")
 
 
-def check_run_matches(store: Store, run: dict, fields: dict) -> None:
-    """The contradiction check of `Store.ensure_run`, without writing (run it before the slow model load)."""
-    for key, value in fields.items():
-        if value is not None and key in run and run[key] != value:
-            raise StoreError(f"{store.path('run.json')}: {key} is {run[key]!r} in this store but {value!r} was given; "
-                             f"use a new store for a different {key}, or drop the option to use the store's value")
-
-
 def _student_id(student: str) -> str:
     # A local folder is recorded as an absolute path, so a restart from another directory agrees with run.json.
     return os.path.abspath(student) if os.path.exists(student) else student
@@ -354,7 +346,7 @@ def run_rollout(cfg: RolloutConfig, store: Store, *, stop: threading.Event | Non
         raise ValueError(f"student_topk {student_topk} is larger than the vocabulary ({len(tokenizer)} tokens)")
     run_fields = dict(student=student, tokenizer_fingerprint=fingerprint, vocab_size=len(tokenizer),
                       student_topk=student_topk or None)
-    check_run_matches(store, run, run_fields)  # fail before loading a model; ensure_run checks again
+    store.check_run(run, **run_fields)  # fail before loading a model; ensure_run checks again
 
     # 2. The newest policy; run.json is written only once the model has loaded.
     policies = PolicyFiles(store, student)

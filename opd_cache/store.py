@@ -339,11 +339,7 @@ class Store:
         return self.read_json("run.json")
 
     def ensure_run(self, **fields: Any) -> dict:
-        """Create run.json on first touch, else check `fields` against it and fill the missing ones.
-
-        A field already recorded with a different value is a contradiction (the
-        store belongs to another run / tokenizer / top-k): raise, naming both.
-        """
+        """Create run.json on first touch, else check `fields` against it and fill the missing ones."""
         fields = {k: v for k, v in fields.items() if v is not None}
         run = self.read_run()
         if run is None:
@@ -351,19 +347,22 @@ class Store:
                    "schema_version": _schema_version(), **fields}
             self.create_if_absent("run.json", (json.dumps(new, indent=2, sort_keys=True) + "\n").encode())
             run = self.read_run()
-        missing = {}
-        for key, value in fields.items():
-            if key not in run:
-                missing[key] = value
-            elif run[key] != value:
-                raise StoreError(
-                    f"{self.path('run.json')}: {key} is {run[key]!r} in this store but {value!r} was given; "
-                    f"use a new store for a different {key}, or drop the option to use the store's value"
-                )
+        self.check_run(run, **fields)
+        missing = {key: value for key, value in fields.items() if key not in run}
         if missing:
             run = {**run, **missing}
             self.write_json("run.json", run)
         return run
+
+    def check_run(self, run: dict, **fields: Any) -> None:
+        """A field recorded in `run` with a different value is a contradiction (the store belongs to another
+        run / tokenizer / top-k): raise, naming both. Fields that are None or not recorded yet pass."""
+        for key, value in fields.items():
+            if value is not None and key in run and run[key] != value:
+                raise StoreError(
+                    f"{self.path('run.json')}: {key} is {run[key]!r} in this store but {value!r} was given; "
+                    f"use a new store for a different {key}, or drop the option to use the store's value"
+                )
 
     def require_run(self) -> dict:
         run = self.read_run()

@@ -45,7 +45,7 @@ import pyarrow as pa
 from opd_cache.config import RolloutConfig
 from opd_cache.metrics import MetricsLog
 from opd_cache.schema import ROLLOUT, ShardError, ShardMeta, read_shard, rollout_table, write_shard
-from opd_cache.store import Store, StoreError, make_shard_id, validate_worker_id
+from opd_cache.store import Store, make_shard_id, validate_worker_id
 from opd_cache.tasks.prompts import PromptSet, load_prompts
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 

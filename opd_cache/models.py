@@ -70,6 +70,37 @@ def build_tiny_model(
     return model.eval()
 
 
+def looks_local(path: str) -> bool:
+    """Whether a model given as `path` is meant as a folder on this machine rather than a hub repo id.
+
+    A hub id is `name` or `org/name`. A path is local when it is absolute, starts with `./`, `../` or `~`,
+    has more than one `/` (no repo id does), or when its parent folder exists (`runs/demo/policy/v9`).
+    """
+    if "://" in path:
+        return False  # a URI: the stage that reads it says what is wrong
+    if os.path.isabs(path) or path.startswith(("./", "../", "~")) or path in (".", "..") or path.count("/") > 1:
+        return True
+    parent = os.path.dirname(path)
+    return bool(parent) and os.path.isdir(parent)
+
+
+def check_model_path(path: str | os.PathLike | None, flag: str) -> None:
+    """One clear error for a local model folder that is not there, before anything loads.
+
+    Without it a missing folder reaches the hub client, which answers with its repo-id naming rule.
+    A hub id (`Qwen/Qwen3-0.6B`) passes: downloading it is the loader's business.
+    """
+    if path is None:
+        return
+    path = os.fspath(path)
+    if not looks_local(path):
+        return
+    if not os.path.exists(path):  # `~` is not expanded: the loaders do not expand it either
+        raise ValueError(f"{flag}: model folder {path} does not exist")
+    if not os.path.isdir(path):
+        raise ValueError(f"{flag}: model folder {path} is a file, not a folder")
+
+
 def load_causal_lm(
     path: str | os.PathLike,
     dtype: torch.dtype = torch.float32,

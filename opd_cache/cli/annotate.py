@@ -29,6 +29,7 @@ def annotate_command(
 ) -> None:
     """Annotate rollout shards with a teacher's top-k log-probs (one part per shard and teacher)."""
     from opd_cache.annotate import annotate
+    from opd_cache.models import check_model_path
     from opd_cache.store import Store
 
     cfg = stage_config(config, sets, **{
@@ -44,6 +45,7 @@ def annotate_command(
         "annotate.engine": engine,
         "annotate.follow": True if follow else None,  # absent flag: keep the config file's value
     })
+    check_model_path(cfg.annotate.teacher, "--teacher")  # before the hub client sees a missing folder
     stats = annotate(Store(cfg.store.uri, s3_endpoint=cfg.store.s3_endpoint), cfg.annotate)
     console.print(
         f"annotated {len(stats.annotated)} shards ({stats.rows} rows, {stats.tokens} tokens, "

@@ -10,18 +10,33 @@ import typer
 from opd_cache.cli.common import app, console, user_errors
 
 
+def default_report_dir(store: str) -> Path:
+    """`plots/` beside the store, where `opd demo` writes its plots (runs/demo/store → runs/demo/plots)."""
+    if "://" in store:
+        return Path("plots")  # a remote store: the current folder
+    return Path(store.rstrip("/")).parent / "plots"
+
+
 @app.command("report")
 @user_errors
 def report_command(
     store: str = typer.Option(..., "--store", help="Store directory or URI."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: <store>/../report)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: plots/ beside the store, as "
+                                       "opd demo; ./plots for a remote store)."),
 ) -> None:
     """Write PNG plots (loss, masses/overlap, accuracy, staleness, throughput) and report.md."""
-    from opd_cache.report import write_report
+    from opd_cache.report import summary_lines, write_report
     from opd_cache.store import Store
 
     s = Store(store)
     s.require_run()
-    out = out or (Path(store).parent / "report" if "://" not in store else Path("opd-report"))
+    out = out or default_report_dir(store)
     summary = write_report(s, out)
-    console.print(f"wrote {out / 'report.md'} and {len(summary['plots'])} plots: {', '.join(summary['plots'])}")
+    for line in summary_lines(summary):
+        console.print(line, highlight=False, soft_wrap=True)
+    for r in summary["eval"][-1:]:
+        kl = "" if r["kl"] is None else f", KL {r['kl']:.4g}"
+        console.print(f"- latest eval (v{r['version']}): strict {r['strict']:.3f}, lenient {r['lenient']:.3f}{kl}",
+                      highlight=False)
+    console.print(f"wrote {out / 'report.md'} and {len(summary['plots'])} plots: {', '.join(summary['plots'])}",
+                  highlight=False, soft_wrap=True)

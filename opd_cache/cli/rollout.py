@@ -40,8 +40,10 @@ def rollout_command(
     sets: Optional[list[str]] = SetOpt,
 ) -> None:
     """Sample student responses to prompts and publish them as rollout shards."""
+    from opd_cache.models import check_model_path
     from opd_cache.rollout import run_rollout
     from opd_cache.store import Store
+    from opd_cache.tasks.prompts import check_prompts_path
 
     cfg = stage_config(config, sets, **{
         "store.uri": store, "rollout.student": student, "rollout.prompts": prompts, "rollout.n": n,
@@ -53,6 +55,10 @@ def rollout_command(
     })
     if store is None and cfg.store.uri == "store" and config is None:
         raise ValueError("--store is required (a directory or URI for the run's shared storage)")
+    # missing local inputs: one clear line before the tokenizer, the prompts or the model load
+    check_model_path(cfg.rollout.student, "--student")
+    if cfg.rollout.prompts is not None:
+        check_prompts_path(cfg.rollout.prompts)
 
     # SIGINT/SIGTERM: finish the current batch, flush what is buffered, exit. A second signal aborts.
     stop = threading.Event()

@@ -51,6 +51,8 @@ def train_command(
             "train.micro_batch_tokens": micro_batch_tokens, "train.lr": lr, "train.follow": follow,
         },
     )
+    from opd_cache.models import check_model_path
     from opd_cache.train import train
 
+    check_model_path(cfg.train.student, "--student")  # before the hub client sees a missing folder
     train(cfg, console=console)

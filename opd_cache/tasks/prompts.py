@@ -141,11 +141,17 @@ def _read_dataset_folder(path: str, split: str | None) -> dict[str, list]:
     return data.to_dict()
 
 
-def read_columns(path: str | os.PathLike, split: str | None = None) -> dict[str, list]:
-    """The rows of a prompt file as {column: list of Python values}."""
+def check_prompts_path(path: str | os.PathLike) -> None:
+    """A local prompt file must exist (the commands call this before any model loads)."""
     path = os.fspath(path)
     if "://" not in path and not os.path.exists(path):
         raise ValueError(f"prompts file {path} does not exist")
+
+
+def read_columns(path: str | os.PathLike, split: str | None = None) -> dict[str, list]:
+    """The rows of a prompt file as {column: list of Python values}."""
+    path = os.fspath(path)
+    check_prompts_path(path)
     if "://" not in path and os.path.isdir(path):
         return _read_dataset_folder(path, split)
     if path.endswith(".parquet"):

@@ -1,12 +1,13 @@
 """Train the tiny teacher and student of the CPU demo and save them to data/models/.
 
-The demo's story (DEMO-NOTES.md): the student already adds correctly but writes
+The demo's story: the student already adds correctly but writes
 its answer in another format (" ans= 85"), so the strict GSM8K parser
 (`#### 85`) scores it near 0 while a lenient parser (last number) finds it
 right. The teacher writes " #### 85". On-policy distillation alone, with no task
 reward, should teach the student the teacher's format. Both formats put the
-number at the same position, which DEMO-NOTES found makes relearning fast and
-reliable.
+number at the same position, which makes relearning fast and reliable (in a
+pilot run before this project, a number at another position took 560-580 steps
+to relearn, and one seed in three missed the target within 1,000 steps).
 
 Both models are Llama-style with the shipped character tokenizer, trained with
 plain supervised next-token loss on the chat-templated prompt followed by the

@@ -7,8 +7,9 @@ teacher writes " #### 85". On-policy distillation alone — no task reward —
 teaches the student the teacher's format: strict accuracy rises to the
 teacher's and the teacher–student KL collapses.
 
-Steps: (1) the shipped tiny models (or, if absent, train them once and cache
-them), (2) the teacher's own accuracy, (3) `opd run` on
+Steps: (0) every import the demo needs, and an --out that holds no other run
+(`--overwrite` replaces the previous one), (1) the shipped tiny models (or, if
+absent, train them once and cache them), (2) the teacher's own accuracy, (3) `opd run` on
 `examples/arithmetic_cpu/config.yaml` with an evaluator scoring every few
 versions, (4) a before/after table, `summary.json` and the report's plots.
 """
@@ -16,6 +17,7 @@ versions, (4) a before/after table, `summary.json` and the report's plots.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -61,7 +63,57 @@ def ensure_demo_models(console: Console) -> None:
     runpy.run_path(str(REPO / "data" / "make_demo_models.py"), run_name="__main__")
 
 
-def run_demo(out: Path, seed: int = 0, sets: list[str] | None = None, quiet: bool = False) -> dict:
+# Every module the demo and its stage processes import, and the package that provides it when it is missing
+# (the plots come last, after minutes of training: a missing matplotlib must fail before them).
+DEMO_IMPORTS = {
+    "torch": "torch==2.13.0", "transformers": "transformers", "safetensors": "safetensors",
+    "tokenizers": "tokenizers", "pyarrow": "pyarrow", "datasets": "datasets", "yaml": "pyyaml",
+    "pydantic": "pydantic", "psutil": "psutil", "matplotlib.pyplot": "matplotlib",
+    "opd_cache.rollout": None, "opd_cache.annotate": None, "opd_cache.train.trainer": None,
+    "opd_cache.evaluate": None, "opd_cache.report": None,
+}
+# What the demo writes into --out; --overwrite removes exactly these.
+DEMO_OUTPUTS = ("store", "logs", "plots", "summary.json")
+
+
+def check_demo_imports() -> None:
+    """Import what the demo needs now, so that a missing package fails in a second, not after training."""
+    import importlib
+
+    for module in DEMO_IMPORTS:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            missing = (e.name or module).split(".")[0]
+            package = DEMO_IMPORTS.get(missing) or DEMO_IMPORTS.get(module) or missing
+            raise ValueError(f"the demo needs the Python package {package!r} (module {missing!r} is not installed): "
+                             f"run `bash scripts/setup.sh`, or `pip install {package}`") from e
+
+
+def clear_demo_outputs(out: Path, overwrite: bool) -> None:
+    """Refuse to mix two runs in one --out; with `overwrite`, remove the previous demo's outputs first."""
+    store = out / "store"
+    previous = [out / name for name in DEMO_OUTPUTS if (out / name).exists()]
+    store_used = store.is_dir() and any(store.iterdir())
+    if not store_used and not (overwrite and previous):
+        return
+    if not overwrite:
+        raise ValueError(f"--out {out}: {store} already holds a run; pass --overwrite to replace it, "
+                         f"or choose another --out")
+    if store_used and not (store / "run.json").exists():
+        raise ValueError(f"--out {out}: {store} is not an opd store (no run.json); --overwrite leaves it alone: "
+                         f"choose another --out")
+    for path in previous:
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
+def run_demo(out: Path, seed: int = 0, sets: list[str] | None = None, quiet: bool = False,
+             overwrite: bool = False) -> dict:
+    out = Path(out)
+    # what can fail in seconds fails before the previous run is replaced and before any training
+    check_demo_imports()
+    cfg = demo_config(out, seed, sets or [])
+    clear_demo_outputs(out, overwrite)
     from opd_cache.evaluate import _subset, evaluate_model
     from opd_cache.report import write_report
     from opd_cache.run import supervise, write_resolved_config
@@ -70,12 +122,10 @@ def run_demo(out: Path, seed: int = 0, sets: list[str] | None = None, quiet: boo
     from opd_cache.tokenizer import load_tokenizer
 
     console = Console()
+    if not console.is_terminal:
+        console.width = 120  # a log or a pipe has no width; rich would wrap at 80 columns
     start = time.monotonic()
-    out = Path(out)
-    if (out / "store").exists() and any((out / "store").iterdir()):
-        raise ValueError(f"--out {out}: {out / 'store'} already holds a run; choose a new --out or delete it")
     ensure_demo_models(console)
-    cfg = demo_config(out, seed, sets or [])
 
     tokenizer = load_tokenizer(cfg.annotate.teacher)
     held_out = _subset(load_prompts(cfg.eval.prompts, tokenizer), cfg.eval.max_prompts)

@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from opd_cache.store import Store
 from opd_cache.tasks.prompts import PromptSet, load_prompts
 from opd_cache.tasks.rewards import compute_score
 from opd_cache.tokenizer import check_compatible, load_tokenizer
+from opd_cache.tracking import eval_metrics
 
 
 @dataclass
@@ -148,8 +150,12 @@ def _policy_folder(store: Store, version: int) -> Path:
 
 def evaluate_store(store: Store, prompts_path: str, *, teacher_path: str | None, max_prompts: int = 200,
                    max_new_tokens: int = 32, every: int = 1, follow: bool = True, poll_seconds: float = 2.0,
-                   device: str = "auto", worker: str = "0") -> list[dict]:
-    """Evaluate version 0 and then every `every`-th published version (and the last) into the metrics."""
+                   device: str = "auto", worker: str = "0", echo: Callable[[str], None] | None = None,
+                   tracker=None) -> list[dict]:
+    """Evaluate version 0 and then every `every`-th published version (and the last) into the metrics.
+
+    `echo` receives one line per evaluated version (the CLI prints it: the evaluator's log in `opd run`);
+    `tracker` (opd_cache.tracking.Tracker, from train.report_to) each result, with the version as its step."""
     run = store.require_run()
     tokenizer = load_tokenizer(run["student"])
     prompts = _subset(load_prompts(prompts_path, tokenizer), max_prompts)
@@ -168,10 +174,17 @@ def evaluate_store(store: Store, prompts_path: str, *, teacher_path: str | None,
             if engine is None:
                 engine = HFGenerator(path, tokenizer=tokenizer, device=device, eos_token_ids=[tokenizer.eos_token_id],
                                      pad_token_id=tokenizer.pad_token_id, vocab_limit=len(tokenizer))
+            tic = time.monotonic()
             result = evaluate_model(path, prompts, tokenizer, teacher=teacher, max_new_tokens=max_new_tokens,
                                     engine=engine)
+            if echo is not None:
+                echo(f"eval v{version}: strict {result.strict:.3f}, lenient {result.lenient:.3f}"
+                     + (f", KL {result.kl:.4f}" if result.kl is not None else "")
+                     + f" on {result.num_prompts} prompts ({time.monotonic() - tic:.1f} s)")
             record = {"version": version, **asdict(result)}
             log.log(record, flush=True)
+            if tracker is not None:
+                tracker.log(eval_metrics(record), step=version)
             results.append(record)
             done_versions.add(version)
         if finished or not follow:

@@ -8,7 +8,8 @@ The supervisor:
 - restarts a stage that exits with an error, with exponential back-off, up to
   `run.max_restarts` times (its work is resumable: see docs/reliability.md);
 - shows one live dashboard built from the store alone (shards, annotated parts,
-  trainer progress, losses, evaluations);
+  trainer progress, losses, evaluations, elapsed time and ETA), or, when stdout
+  is not a terminal, one plain progress line every ~10 s;
 - stops everything when the trainer has finished (`train/DONE`), and exits
   non-zero when a stage failed for good.
 
@@ -33,6 +34,7 @@ from rich.table import Table
 
 from opd_cache.config import Config
 from opd_cache.metrics import read_metrics
+from opd_cache.progress import Every, duration
 from opd_cache.store import Store
 
 
@@ -103,51 +105,125 @@ def stage_commands(cfg: Config, config_path: Path, logs: Path) -> list[StageProc
     return stages
 
 
-def dashboard(store: Store, stages: list[StageProcess]) -> Table:
+def read_run_state(store: Store, total_steps: int | None = None, started: float | None = None) -> dict:
+    """What the dashboard and the plain progress lines show, read from the store alone.
+
+    `started` (wall-clock `time.time()` of the run's start) gives the elapsed time; the ETA comes from the
+    trainer's step rate over its metrics records of this run (all of them when `started` is not given).
+    """
+    shards = store.list_rollout_shards()
+    parts = store.list_annotated_parts()
+    progress = store.read_progress()
+    metrics = read_metrics(store)
+    train = metrics.get("train-0", [])
+    evals = metrics.get("eval-0", [])
+    step = progress.get("step", 0)
+    # the step rate: this run's records (a resumed run's metrics also hold its earlier incarnations')
+    recent = [r for r in train if started is None or r.get("time", 0) >= started] or train[-1:]
+    eta = None
+    if total_steps and len(recent) >= 2 and recent[-1]["step"] > recent[0]["step"]:
+        seconds_per_step = (recent[-1]["time"] - recent[0]["time"]) / (recent[-1]["step"] - recent[0]["step"])
+        eta = max(total_steps - step, 0) * seconds_per_step
+    return {
+        "shards": shards, "parts": parts, "metrics": metrics, "progress": progress,
+        "step": step, "total_steps": total_steps, "last_train": train[-1] if train else {},
+        "last_eval": evals[-1] if evals else None,
+        "elapsed": time.time() - started if started is not None else None, "eta": eta,
+    }
+
+
+def staleness_text(histogram: dict) -> str:
+    """{'2': 64, '0': 3} -> '0:3 2:64' (rows per version lag)."""
+    return " ".join(f"{lag}:{rows}" for lag, rows in sorted(histogram.items(), key=lambda kv: int(kv[0])))
+
+
+def eval_text(record: dict) -> str:
+    return (f"v{record['version']}: strict {record['strict']:.2f}, lenient {record['lenient']:.2f}"
+            + (f", KL {record['kl']:.4f}" if record.get("kl") is not None else ""))
+
+
+def step_text(state: dict) -> str:
+    total = state["total_steps"]
+    return f"step {state['step']}/{total}" if total else f"step {state['step']}"
+
+
+def timing_text(state: dict) -> str:
+    parts = []
+    if state["elapsed"] is not None:
+        parts.append(f"elapsed {duration(state['elapsed'])}")
+    if state["eta"] is not None:
+        parts.append(f"ETA {duration(state['eta'])}")
+    return ", ".join(parts)
+
+
+def stage_state(stage: StageProcess) -> str:
+    if stage.failed:
+        return "[red]failed[/]"
+    if stage.finished:
+        return "[green]finished[/]"
+    if stage.proc is not None and stage.proc.poll() is None:
+        return "running" + (f" (restart {stage.restarts})" if stage.restarts else "")
+    if not stage.exit_codes:
+        return "starting"  # not started yet: the stages after rollout wait for run.json
+    return "waiting to restart"
+
+
+def dashboard(store: Store, stages: list[StageProcess], total_steps: int | None = None,
+              started: float | None = None) -> Table:
     """One table from the store alone: what each stage has done so far."""
     table = Table(title=f"opd run — {store.uri}", expand=False)
     for col in ("stage", "state", "done so far"):
         table.add_column(col)
     try:
-        shards = store.list_rollout_shards()
-        parts = store.list_annotated_parts()
-        progress = store.read_progress()
-        metrics = read_metrics(store)
+        state = read_run_state(store, total_steps, started)
     except Exception as e:  # the dashboard must never take the run down
         table.add_row("store", "unreadable", str(e)[:80])
         return table
-    train = metrics.get("train-0", [])
-    last = train[-1] if train else {}
-    evals = metrics.get("eval-0", [])
+    shards, parts, metrics, progress, last = (state["shards"], state["parts"], state["metrics"], state["progress"],
+                                              state["last_train"])
     versions = sorted({s.policy_version for s in shards})
     rollout_rate = [r["tokens_per_s"] for name, rs in metrics.items() if name.startswith("rollout-")
                     for r in rs[-1:] if "tokens_per_s" in r]
     annotate_rate = [r["tokens_per_s"] for name, rs in metrics.items() if name.startswith("annotate-")
                      for r in rs if r.get("event") == "annotated"][-1:]
+    timing = timing_text(state)
     summary = {
         "rollout": (f"{len(shards)} shards, versions {versions[0]}..{versions[-1]}"
                     + (f", {sum(rollout_rate):.0f} tok/s" if rollout_rate else "")) if shards else "no shards yet",
         "annotate": (f"{sum(len(t) for t in parts.values())} parts over {len(parts)} shards"
                      + (f", {annotate_rate[0]:.0f} tok/s" if annotate_rate else "")),
-        "train": (f"step {progress.get('step', 0)}, version {progress.get('policy_version', 0)}, "
+        "train": (f"{step_text(state)}, version {progress.get('policy_version', 0)}, "
                   f"{progress.get('consumed_samples', 0)} samples, {progress.get('expired_samples', 0)} expired"
-                  + (f", loss {last.get('loss', float('nan')):.4f}" if last else "")
-                  + (f", staleness {last.get('staleness')}" if last.get("staleness") else "")
-                  + (f", {last.get('tokens_per_s', 0):.0f} tok/s" if last.get("tokens_per_s") else "")),
-        "eval": (f"v{evals[-1]['version']}: strict {evals[-1]['strict']:.2f}, lenient {evals[-1]['lenient']:.2f}"
-                 + (f", KL {evals[-1]['kl']:.4f}" if evals[-1].get("kl") is not None else "")) if evals else "—",
+                  + (f", loss {last['loss']:.4f}" if last.get("loss") is not None else "")
+                  + (f", staleness {staleness_text(last['staleness'])}" if last.get("staleness") else "")
+                  + (f", {last['tokens_per_s']:.0f} tok/s" if last.get("tokens_per_s") else "")
+                  + (f"; {timing}" if timing else "")),
+        "eval": eval_text(state["last_eval"]) if state["last_eval"] else "—",
     }
     for stage in stages:
-        if stage.failed:
-            state = "[red]failed[/]"
-        elif stage.finished:
-            state = "[green]finished[/]"
-        elif stage.proc is not None and stage.proc.poll() is None:
-            state = "running" + (f" (restart {stage.restarts})" if stage.restarts else "")
-        else:
-            state = "waiting to restart"
-        table.add_row(stage.name, state, summary.get(stage.name.split("-")[0], ""))
+        table.add_row(stage.name, stage_state(stage), summary.get(stage.name.split("-")[0], ""))
     return table
+
+
+def progress_line(store: Store, total_steps: int | None = None, started: float | None = None,
+                  stages: list[StageProcess] = ()) -> str:
+    """One plain line for output that is not a terminal: steps, samples, loss, latest evaluation, ETA,
+    and the stages that crashed (restarting or failed)."""
+    try:
+        state = read_run_state(store, total_steps, started)
+    except Exception as e:  # like the dashboard, never fatal
+        return f"opd run: store unreadable ({str(e)[:80]})"
+    last, progress = state["last_train"], state["progress"]
+    parts = [step_text(state), f"{progress.get('consumed_samples', 0)} samples"]
+    if last.get("loss") is not None:
+        parts.append(f"loss {last['loss']:.4f}")
+    if state["last_eval"]:
+        parts.append(f"eval {eval_text(state['last_eval'])}")
+    troubled = [f"{stage.name} failed" if stage.failed else f"{stage.name} restarted {stage.restarts}×"
+                for stage in stages if stage.failed or (stage.restarts and not stage.finished)]
+    parts.extend(troubled)
+    timing = timing_text(state)
+    return "opd run: " + " | ".join(parts) + (f" | {timing}" if timing else "")
 
 
 def poll_stages(stages: list[StageProcess], now: float, max_restarts: int) -> str | None:
@@ -178,6 +254,7 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
     stages = stage_commands(cfg, config_path, logs)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("OMP_NUM_THREADS", str(cfg.run.threads_per_stage))
+    env.setdefault("COLUMNS", "200")  # a log file has no width: rich would wrap the stages' lines at 80 columns
     # Rollout creates run.json (run id, tokenizer); the other stages validate against it, so they start
     # once it exists. Until then only the rollout workers run.
     for stage in stages:
@@ -192,9 +269,9 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
 
     previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     failure = None
+    display = RunDisplay(store, stages, cfg.train.max_steps, quiet=quiet)
     try:
-        with Live(dashboard(store, stages), refresh_per_second=1, transient=False, redirect_stdout=False,
-                  auto_refresh=False) if not quiet else _NullLive() as live:
+        with display:
             while not stop_requested:
                 now = time.monotonic()
                 failure = poll_stages(stages, now, cfg.run.max_restarts)  # the loop ends at the first
@@ -202,7 +279,7 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
                     if (stage.proc is None and not stage.finished and not stage.failed and now >= stage.next_start
                             and (stage.name.startswith("rollout") or store.exists("run.json"))):
                         stage.start(env)
-                live.update(dashboard(store, stages), refresh=True)
+                display.update()
                 trainer = next(s for s in stages if s.name == "train")
                 if failure or trainer.finished:
                     break
@@ -213,7 +290,7 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
             while any(s.proc is not None for s in stages) and time.monotonic() < deadline:
                 failed_now = poll_stages(stages, time.monotonic(), max_restarts=0)  # always: it retires exited stages
                 failure = failure or failed_now
-                live.update(dashboard(store, stages), refresh=True)
+                display.update()
                 time.sleep(0.5)
     finally:
         for stage in stages:
@@ -231,15 +308,39 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
     return 0
 
 
-class _NullLive:
+class RunDisplay:
+    """The run's progress on stdout: a live dashboard on a terminal; otherwise (CI, nohup, `| tee`) one plain
+    line at the start, every ~10 s and at the end; nothing with `quiet`."""
+
+    def __init__(self, store: Store, stages: list[StageProcess], total_steps: int, *, quiet: bool = False):
+        self.store, self.stages, self.total_steps = store, stages, total_steps
+        self.started = time.time()
+        self.quiet = quiet
+        self.live = None
+        self.plain = Every() if not quiet and not sys.stdout.isatty() else None
+
     def __enter__(self):
+        if not self.quiet and self.plain is None:
+            self.live = Live(self._table(), refresh_per_second=1, transient=False, redirect_stdout=False,
+                             auto_refresh=False)
+            self.live.__enter__()
         return self
 
-    def __exit__(self, *exc):
-        return False
+    def _table(self) -> Table:
+        return dashboard(self.store, self.stages, self.total_steps, self.started)
 
-    def update(self, *args, **kwargs):
-        pass
+    def update(self) -> None:
+        if self.live is not None:
+            self.live.update(self._table(), refresh=True)
+        elif self.plain is not None and self.plain.due():
+            print(progress_line(self.store, self.total_steps, self.started, self.stages), flush=True)
+
+    def __exit__(self, *exc):
+        if self.live is not None:
+            return self.live.__exit__(*exc)
+        if self.plain is not None:
+            print(progress_line(self.store, self.total_steps, self.started, self.stages), flush=True)
+        return False
 
 
 def write_resolved_config(cfg: Config, path: Path) -> Path:

@@ -1,13 +1,16 @@
 """`opd run` end to end on a tiny configuration: every stage exits 0 and the store holds what it should.
 
-Also: `--sync` (lockstep, max_staleness 0) trains on the same number of samples as the asynchronous run.
+Also: `--sync` (lockstep, max_staleness 0) trains on the same number of samples as the asynchronous run;
+without a terminal the run prints plain progress lines and the stage logs fill while it runs; the dashboard.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -37,9 +40,40 @@ def tiny_config(tmp_path: Path) -> Path:
     return path
 
 
-def opd_run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "opd_cache.cli", "run", "--config", str(tiny_config(tmp_path)), "--quiet", *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+@dataclass
+class RunOutput:
+    returncode: int
+    stdout: str
+    stderr: str
+    stdout_before_done: str  # what stdout held at the last look before the trainer's DONE
+    logs_before_done: dict[str, str]  # the stage logs then
+    eval_v0_before_last: bool  # some look saw the evaluator's v0 line but not yet its v2 line
+
+
+def opd_run(tmp_path: Path, *extra: str) -> RunOutput:
+    """`opd run` with stdout and stderr to files, as under CI or nohup: no terminal, so plain progress lines.
+
+    While it runs, the files are read every 0.2 s: what a person following the logs would see.
+    """
+    cmd = [sys.executable, "-m", "opd_cache.cli", "run", "--config", str(tiny_config(tmp_path)), *extra]
+    stdout, stderr, logs = tmp_path / "stdout.txt", tmp_path / "stderr.txt", tmp_path / "logs"
+    store = Store(tmp_path / "store")
+    seen = RunOutput(0, "", "", "", {}, False)
+    with open(stdout, "w") as out, open(stderr, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=tmp_path)
+        deadline = time.monotonic() + 400
+        while proc.poll() is None and time.monotonic() < deadline:
+            eval_log = (logs / "eval.log").read_text() if (logs / "eval.log").exists() else ""
+            seen.eval_v0_before_last |= "eval v0:" in eval_log and "eval v2:" not in eval_log
+            if not store.is_done():
+                seen.stdout_before_done = stdout.read_text()
+                seen.logs_before_done = {p.stem: p.read_text() for p in logs.glob("*.log")}
+            time.sleep(0.2)
+        if proc.poll() is None:
+            proc.kill()
+        seen.returncode = proc.wait()
+    seen.stdout, seen.stderr = stdout.read_text(), stderr.read_text()
+    return seen
 
 
 def exit_codes(logs: Path) -> dict[str, str]:
@@ -84,6 +118,26 @@ def test_run_completes_and_store_holds_shards_versions_and_ledger(async_run):
     tmp, out = async_run
     assert out.returncode == 0, out.stderr + str(exit_codes(tmp / "logs"))
     assert_tiny_run_finished(Store(tmp / "store"))
+
+
+def test_run_without_a_terminal_prints_progress_lines_and_fills_the_stage_logs_as_it_goes(async_run):
+    tmp, out = async_run
+    assert out.returncode == 0, out.stderr
+    # stdout is a file: one plain line at the start, every ~10 s and at the end (no live table, no escape codes)
+    assert "\x1b[" not in out.stdout
+    assert re.search(r"^opd run: step \d+/4 \| \d+ samples", out.stdout_before_done, re.M), out.stdout_before_done
+    last = out.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"opd run: step 4/4 \| 64 samples \| loss \d+\.\d{4} \| eval v2: strict \d\.\d\d, "
+                        r"lenient \d\.\d\d, KL \d+\.\d{4} \| elapsed \d+:\d\d, ETA 0:00", last), last
+    # each stage's log shows its progress while the run is going, not only a summary at exit
+    logs = out.logs_before_done
+    assert re.search(r"^rollout w00: \d+ samples, \d+ tok/s, policy v\d+, backlog \d+", logs["rollout-w00"], re.M), logs
+    assert re.search(r"^annotate teacher: \d+ shards, \d+ rows, [\d,]+ tok/s, \d+ pending",
+                     logs["annotate-teacher-0"], re.M), logs
+    assert re.search(r"^step +\d/4 v\d loss", logs["train"], re.M), logs
+    assert out.eval_v0_before_last, "the evaluator's log showed v0 only once the run had ended"
+    assert re.search(r"^eval v0: strict 0\.\d{3}, lenient \d\.\d{3}, KL \d+\.\d{4} on 16 prompts",
+                     (tmp / "logs" / "eval.log").read_text(), re.M)
 
 
 def test_sync_trains_on_as_many_samples_as_async_and_never_stale(async_run, sync_run):
@@ -141,3 +195,39 @@ def test_supervisor_restarts_a_crashed_stage_then_gives_up(tmp_path, monkeypatch
                                                      "eval": "import time; time.sleep(60)"}, max_restarts=1)
     assert status == 1
     assert "train exited with status 7 2 time(s)" in capsys.readouterr().err
+
+
+def test_dashboard_says_starting_shows_steps_elapsed_eta_and_no_raw_dicts(async_run):
+    from rich.console import Console
+
+    from opd_cache.progress import duration
+    from opd_cache.run import StageProcess, dashboard, progress_line
+
+    tmp, out = async_run
+    store = Store(tmp / "store")
+    never_started = StageProcess("annotate-teacher-0", [], tmp / "a.log")
+    crashed = StageProcess("rollout-w00", [], tmp / "r.log", restarts=1, exit_codes=[1])
+    done = StageProcess("train", [], tmp / "t.log", finished=True, exit_codes=[0])
+    train = read_metrics(store, "train")["train-0"]
+    started = train[0]["time"] - 30.0
+    # as if the run had 8 steps: 4 to go at the measured rate of steps 1..4
+    eta = 4 * (train[-1]["time"] - train[0]["time"]) / (train[-1]["step"] - train[0]["step"])
+    console = Console(record=True, width=300, force_terminal=False)
+    console.print(dashboard(store, [never_started, crashed, done], total_steps=8, started=started))
+    rows = {line.split("│")[1].strip(): line for line in console.export_text().splitlines() if line.count("│") >= 3}
+    assert "starting" in rows["annotate-teacher-0"] and "waiting to restart" not in rows["annotate-teacher-0"]
+    assert "waiting to restart" in rows["rollout-w00"]
+    assert "finished" in rows["train"]
+    assert re.search(r"step 4/8, version 2, 64 samples, 0 expired, loss \d+\.\d{4}, staleness \d+:\d+", rows["train"])
+    assert re.search(rf"elapsed \d+:\d\d, ETA {re.escape(duration(eta))}", rows["train"]), rows["train"]
+    assert not re.search(r"[{}']", console.export_text()), "no raw Python dicts or reprs"
+    line = progress_line(store, 8, started, [never_started, crashed, done])
+    assert re.fullmatch(rf"opd run: step 4/8 \| 64 samples \| loss \d+\.\d{{4}} \| eval v2: strict \d\.\d\d, lenient "
+                        rf"\d\.\d\d, KL \d+\.\d{{4}} \| rollout-w00 restarted 1× \| elapsed \d+:\d\d, "
+                        rf"ETA {re.escape(duration(eta))}", line), line
+
+
+def test_staleness_reads_as_lag_colon_rows():
+    from opd_cache.run import staleness_text
+
+    assert staleness_text({"2": 64, "0": 3, "10": 1}) == "0:3 2:64 10:1"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
@@ -10,6 +11,10 @@ from typing import Optional
 import typer
 
 from opd_cache.cli.common import ConfigOpt, SetOpt, app, console, stage_config, user_errors
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 @app.command("eval")
@@ -32,8 +37,10 @@ def eval_command(
 ) -> None:
     """Evaluate a student on held-out prompts."""
     from opd_cache.evaluate import _subset, evaluate_model, evaluate_store, load_teacher, resolve_model
-    from opd_cache.tasks.prompts import load_prompts
+    from opd_cache.models import check_model_path
+    from opd_cache.tasks.prompts import check_prompts_path, load_prompts
     from opd_cache.tokenizer import load_tokenizer
+    from opd_cache.tracking import Tracker
 
     if n is not None and n > 1 and greedy:
         raise ValueError("--n > 1 needs --sample (greedy decoding gives the same answer n times)")
@@ -43,12 +50,29 @@ def eval_command(
     cfg = full.eval
     if cfg.prompts is None:
         raise ValueError("--prompts is required (or eval.prompts in --config)")
+    # missing local inputs: one clear line before any tokenizer, prompt file or model loads
+    if "://" not in model and not Path(model, "run.json").exists():
+        check_model_path(model, "--model")
+    check_model_path(cfg.teacher, "--teacher")
+    check_prompts_path(cfg.prompts)
     path, version, store = resolve_model(model, s3_endpoint=full.store.s3_endpoint)
     if follow:
         if store is None:
             raise ValueError("--follow needs --model to be a store (a folder with run.json, or a URI)")
-        evaluate_store(store, cfg.prompts, teacher_path=cfg.teacher, max_prompts=cfg.max_prompts,
-                       max_new_tokens=cfg.max_new_tokens, every=every, device=device)
+        # train.report_to: the evaluator logs its results to the run's trackers too, as job "eval"
+        tracker = Tracker(full.train.report_to, store=store, run_id=store.require_run()["run_id"], job="eval",
+                          config=full.model_dump(mode="json")) if full.train.report_to else None
+        previous = signal.getsignal(signal.SIGTERM)
+        if tracker is not None:  # `opd run` stops its stages with SIGTERM: close the tracker (W&B flushes) first
+            signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            evaluate_store(store, cfg.prompts, teacher_path=cfg.teacher, max_prompts=cfg.max_prompts,
+                           max_new_tokens=cfg.max_new_tokens, every=every, device=device,
+                           echo=lambda line: console.print(line, highlight=False), tracker=tracker)
+        finally:
+            if tracker is not None:
+                tracker.close()
+                signal.signal(signal.SIGTERM, previous)
         return
     tokenizer = load_tokenizer(path)
     prompt_set = _subset(load_prompts(cfg.prompts, tokenizer), cfg.max_prompts)

@@ -20,7 +20,8 @@ def run_command(
     store: Optional[str] = typer.Option(None, "--store", help="Store directory or URI (default: store.uri of the config)."),
     sync: bool = typer.Option(False, "--sync", help="Lockstep generate -> annotate -> train (max_staleness 0)."),
     logs: Optional[Path] = typer.Option(None, "--logs", help="Folder for the stages' logs and the resolved config."),
-    quiet: bool = typer.Option(False, "--quiet", help="No live dashboard."),
+    quiet: bool = typer.Option(False, "--quiet", help="No live dashboard (on a terminal) or progress lines "
+                               "(otherwise: one every ~10 s)."),
     config: Optional[Path] = ConfigOpt,
     sets: Optional[list[str]] = SetOpt,
 ) -> None:
@@ -40,11 +41,13 @@ def run_command(
 def demo_command(
     out: Path = typer.Option(Path("runs/demo"), "--out", help="Run directory (store, logs, plots, summary.json)."),
     seed: int = typer.Option(0, "--seed"),
-    quiet: bool = typer.Option(False, "--quiet", help="No live dashboard."),
+    quiet: bool = typer.Option(False, "--quiet", help="No live dashboard or progress lines."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the previous demo in --out (its store, "
+                                   "logs, plots and summary.json)."),
     sets: Optional[list[str]] = SetOpt,
 ) -> None:
     """On-policy distillation on the synthetic arithmetic task, on the CPU, in minutes."""
     from opd_cache.demo import run_demo
 
-    summary = run_demo(out, seed=seed, sets=sets or [], quiet=quiet)
+    summary = run_demo(out, seed=seed, sets=sets or [], quiet=quiet, overwrite=overwrite)
     raise typer.Exit(0 if summary["passed"] else 1)

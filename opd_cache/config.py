@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -146,7 +146,9 @@ class TrainConfig(Section):
     seed: int = 0
     follow: bool = False
     poll_seconds: float = Field(1.0, gt=0)  # wait between listings of new annotated parts; on a local store 0.1 is cheap
-    tensorboard: bool = False
+    # experiment trackers that receive every train metric, and the evaluator's (docs/train.md, "Experiment tracking")
+    report_to: list[Literal["tensorboard", "wandb"]] = []
+    tensorboard: bool = False  # deprecated: the same as report_to [tensorboard]
     trust_remote_code: bool = False
     # --follow stops (and writes train/DONE) after this many seconds without admissible data; None = wait forever
     idle_timeout: float | None = Field(None, gt=0)
@@ -159,6 +161,20 @@ class TrainConfig(Section):
             raise ValueError("set only one of global_batch_samples and global_batch_tokens")
         if self.global_batch_tokens is not None:
             object.__setattr__(self, "global_batch_samples", None)
+        return self
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_or_more_trackers(cls, value):
+        if isinstance(value, str):  # --set train.report_to=wandb, or wandb,tensorboard; "none" for no tracker
+            return [name.strip() for name in value.split(",") if name.strip() not in ("", "none")]
+        return value
+
+    @model_validator(mode="after")
+    def _tensorboard_alias(self):
+        trackers = list(dict.fromkeys([*self.report_to, *(["tensorboard"] if self.tensorboard else [])]))
+        if trackers != self.report_to:
+            object.__setattr__(self, "report_to", trackers)
         return self
 
 

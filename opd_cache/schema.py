@@ -17,6 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from opd_cache import integrity
+
 SCHEMA_VERSION = 1
 ROLLOUT = "rollout"
 ANNOTATED = "annotated"
@@ -32,10 +34,26 @@ META_TOP_K = "opd.top_k"
 META_TEACHER = "opd.teacher"
 META_TEMPERATURE = "opd.teacher_temperature"
 META_STUDENT_TOPK = "opd.student_topk"
+# What produced the shard (rollout: the student's sampler; annotated: the teacher's scorer); absent in old shards.
+META_ENGINE = "opd.engine"
+META_ENGINE_VERSION = "opd.engine_version"
+META_MODEL_DTYPE = "opd.model_dtype"
 
 
 class ShardError(ValueError):
     """A shard that cannot be used: truncated, foreign, from another run, or internally inconsistent."""
+
+
+class CorruptShardError(ShardError):
+    """The stored bytes are damaged (checksum mismatch, truncation, undecodable): quarantine the file, regenerate.
+
+    Unlike the other ShardErrors (a shard of another run or top-k is the user's to sort out), this one is never
+    the configuration's fault, so the stages recover from it instead of stopping.
+    """
+
+    def __init__(self, message: str, rel: str):
+        super().__init__(message)
+        self.rel = rel  # store-relative path of the damaged file
 
 
 def rollout_schema(student_topk: int = 0) -> pa.Schema:
@@ -123,6 +141,9 @@ class ShardMeta:
     top_k: int | None = None
     teacher: str | None = None
     student_topk: int = 0
+    engine: str | None = None  # "hf" | "vllm"
+    engine_version: str | None = None  # transformers / vllm version
+    model_dtype: str | None = None  # the dtype the model's weights ran in
     schema_version: int = SCHEMA_VERSION
 
     def to_metadata(self) -> dict[bytes, bytes]:
@@ -140,6 +161,10 @@ class ShardMeta:
         if self.teacher is not None:
             meta[META_TEACHER] = self.teacher
             meta[META_TEMPERATURE] = "1.0"  # teacher log-probs are always of the raw distribution
+        for key, value in ((META_ENGINE, self.engine), (META_ENGINE_VERSION, self.engine_version),
+                           (META_MODEL_DTYPE, self.model_dtype)):
+            if value is not None:
+                meta[key] = value
         return {k.encode(): v.encode() for k, v in meta.items()}
 
     @classmethod
@@ -159,20 +184,26 @@ class ShardMeta:
             top_k=int(meta[META_TOP_K]) if META_TOP_K in meta else None,
             teacher=meta.get(META_TEACHER),
             student_topk=int(meta.get(META_STUDENT_TOPK, "0")),
+            engine=meta.get(META_ENGINE),
+            engine_version=meta.get(META_ENGINE_VERSION),
+            model_dtype=meta.get(META_MODEL_DTYPE),
             schema_version=version,
         )
 
 
 # ---------------------------------------------------------------- write / read
 def write_shard(store, rel: str, table: pa.Table, meta: ShardMeta, compression: str | None = None) -> None:
-    """Validate `table` and publish it atomically at `rel` as an Arrow IPC stream."""
+    """Validate `table` and publish it atomically at `rel` as an Arrow IPC stream plus its checksum trailer."""
     validate_table(table, meta, where=rel)
-    table = table.replace_schema_metadata(meta.to_metadata())
+    metadata = {**meta.to_metadata(), integrity.META_CHECKSUM.encode(): integrity.TRAILER_KIND.encode()}
+    table = table.replace_schema_metadata(metadata)
     options = pa.ipc.IpcWriteOptions(compression=compression)
 
     def write(out):
-        with pa.ipc.new_stream(out, table.schema, options=options) as writer:
+        sink = integrity.HashingWriter(out)  # hashes the stream on its way out
+        with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), table.schema, options=options) as writer:
             writer.write_table(table)
+        out.write(sink.trailer())
 
     store.write_atomic(rel, write)
 
@@ -180,19 +211,26 @@ def write_shard(store, rel: str, table: pa.Table, meta: ShardMeta, compression: 
 def read_shard(store, rel: str, *, kind: str | None = None, run: dict | None = None) -> tuple[pa.Table, ShardMeta]:
     """Read and validate a shard; raises ShardError naming the file and the problem."""
     where = store.path(rel)
+    # The checksum first: a damaged file is reported as damaged, not as whatever its garbage happens to decode to.
+    data = store.read_buffer(rel)  # FileNotFoundError passes through
     try:
-        with store.open_input_file(rel) as source:
-            table = pa.ipc.open_stream(source).read_all()
-    except FileNotFoundError:
-        raise
+        payload, checked = integrity.split_trailer(data, f"shard {where}")
+    except integrity.ChecksumError as e:
+        raise CorruptShardError(str(e), rel) from None
+    try:
+        table = pa.ipc.open_stream(pa.BufferReader(payload)).read_all()
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError, EOFError) as e:
-        raise ShardError(f"{where}: truncated or not an Arrow IPC stream ({e})") from e
+        raise CorruptShardError(f"{where}: truncated or not an Arrow IPC stream ({e})", rel) from e
     try:
         # The IPC reader does not check that list offsets stay inside their value buffers; a crafted file
         # would make later kernels read out of bounds. Full validation is cheap next to decoding.
         table.validate(full=True)
     except pa.ArrowInvalid as e:
-        raise ShardError(f"{where}: invalid Arrow data ({e})") from None
+        raise CorruptShardError(f"{where}: invalid Arrow data ({e})", rel) from None
+    if not checked:
+        if (table.schema.metadata or {}).get(integrity.META_CHECKSUM.encode()):
+            raise CorruptShardError(str(integrity.missing_trailer(f"shard {where}", len(data))), rel)
+        integrity.legacy_warning("shard", where)
     meta = ShardMeta.from_metadata(table.schema.metadata, where)
     if kind is not None and meta.kind != kind:
         raise ShardError(f"{where}: is a {meta.kind!r} shard, expected {kind!r}")

@@ -6,8 +6,9 @@ Everything goes through `pyarrow.fs`, so a local directory, `file://…` and
 Layout (DESIGN.md §2):
 
     <root>/run.json                               run manifest, created once
-    <root>/rollouts/<shard_id>.arrow              written by `opd rollout`
-    <root>/annotated/<shard_id>/<teacher>.arrow   written by `opd annotate`
+    <root>/rollouts/v000003/<shard_id>.arrow              written by `opd rollout`
+    <root>/annotated/v000003/<shard_id>/<teacher>.arrow   written by `opd annotate`
+    (v000003: the shard's policy version, so a poll lists only the versions it can use; see ShardWatch)
     <root>/policy/v000003/                        HF checkpoint published by `opd train`
     <root>/policy/LATEST                          newest complete version number
     <root>/train/progress.json, train/DONE, train/state/, train/consumed/
@@ -22,6 +23,10 @@ is never visible, so we write the final key directly. Every listing ignores
 `*.tmp-*` names. Checkpoint directories cannot be renamed atomically on object
 stores, so a version counts as published only once its `_COMPLETE` marker
 exists (written last), and LATEST is replaced only after that.
+
+Integrity (opd_cache/integrity.py): shards end with an xxh3-64 trailer, checkpoint folders hold
+`_CHECKSUMS.json` (written before `_COMPLETE`); `read_buffer` hands readers a whole file in one read so
+they can verify it before use, and `verify_folder` checks a folder against its manifest.
 """
 
 from __future__ import annotations
@@ -37,10 +42,13 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+
+from opd_cache.integrity import (MANIFEST, ChecksumError, FileProblem, check_file, manifest_bytes, manifest_for,
+                                 parse_manifest, verify_local_folder)
 
 SHARD_ID_RE = re.compile(r"^v(?P<version>\d{6})-(?P<worker>[A-Za-z0-9_]{1,32})-(?P<seq>\d{6})$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -95,6 +103,14 @@ def parse_shard_id(shard_id: str) -> tuple[int, str, int]:
     return int(m["version"]), m["worker"], int(m["seq"])
 
 
+PARTITION_RE = re.compile(r"v\d{6}")
+
+
+def partition_name(version: int) -> str:
+    """`v000003`: the folder of `rollouts/` and `annotated/` that holds the shards of one policy version."""
+    return f"v{version:06d}"
+
+
 def _is_tmp(name: str) -> bool:
     return TMP_MARKER in name
 
@@ -123,13 +139,13 @@ class Store:
         return "/".join([self.root, *[p.strip("/") for p in parts if p]])
 
     def rollout_path(self, shard_id: str) -> str:
-        parse_shard_id(shard_id)
-        return f"rollouts/{shard_id}.arrow"
+        version, _, _ = parse_shard_id(shard_id)
+        return f"rollouts/{partition_name(version)}/{shard_id}.arrow"
 
     def annotated_path(self, shard_id: str, teacher: str) -> str:
-        parse_shard_id(shard_id)
+        version, _, _ = parse_shard_id(shard_id)
         validate_name("teacher name", teacher)
-        return f"annotated/{shard_id}/{teacher}.arrow"
+        return f"annotated/{partition_name(version)}/{shard_id}/{teacher}.arrow"
 
     def policy_dir(self, version: int) -> str:
         return f"policy/v{version:06d}"
@@ -164,6 +180,13 @@ class Store:
             return json.loads(data)
         except json.JSONDecodeError as e:
             raise StoreError(f"{self.path(rel)} is not valid JSON: {e}") from e
+
+    def read_buffer(self, rel: str) -> pa.Buffer:
+        """The whole file as one buffer: a memory map on local stores (zero-copy), one GET on object stores."""
+        if self.is_local:
+            with pa.memory_map(self.path(rel), "r") as source:
+                return source.read_buffer()
+        return pa.py_buffer(self.read_bytes(rel))
 
     def open_input_file(self, rel: str) -> pa.NativeFile:
         """Random-access handle; memory-mapped on local stores so Arrow reads are zero-copy."""
@@ -371,10 +394,22 @@ class Store:
         return run
 
     # ------------------------------------------------------------ rollouts
-    def list_rollout_shards(self) -> list[ShardInfo]:
+    def list_rollout_shards(self, versions: Iterable[int] | None = None) -> list[ShardInfo]:
+        """Rollout shards, sorted; of the given policy-version partitions only (one LIST each), else all of them.
+
+        The full listing (one recursive LIST of `rollouts/`, cost ∝ the run's history) is for replay, export,
+        inspect and verify, and for a stage's first poll; polling stages use `ShardWatch`. It also finds shards
+        of the flat layout that preceded the partitions (`rollouts/<shard_id>.arrow`, see `opd migrate`).
+        """
+        if versions is None:
+            infos = self.list_files("rollouts", recursive=True)
+        else:
+            infos = [i for v in sorted(set(versions)) for i in self.list_files(f"rollouts/{partition_name(v)}")]
+        prefix = self.path("rollouts") + "/"
         shards = []
-        for info in self.list_files("rollouts"):
-            name = info.base_name
+        for info in infos:
+            rel = info.path[len(prefix):]
+            folder, _, name = rel.rpartition("/")
             if not name.endswith(".arrow"):
                 continue
             shard_id = name[: -len(".arrow")]
@@ -382,20 +417,68 @@ class Store:
                 version, worker, seq = parse_shard_id(shard_id)
             except ValueError:
                 continue  # foreign file: ignored by listings, reported by `opd inspect`
-            shards.append(ShardInfo(version, worker, seq, shard_id, f"rollouts/{name}", info.size))
+            if folder not in ("", partition_name(version)):
+                continue  # a shard filed under another version's partition (copied by hand): not ours to read
+            shards.append(ShardInfo(version, worker, seq, shard_id, f"rollouts/{rel}", info.size))
         return sorted(shards)
 
-    def list_annotated_parts(self) -> dict[str, set[str]]:
-        """shard_id -> names of the teachers whose part exists."""
+    def list_annotated_parts(self, versions: Iterable[int] | None = None) -> dict[str, set[str]]:
+        """shard_id -> names of the teachers whose part exists; of the given partitions only, else all."""
+        if versions is None:
+            infos = self.list_files("annotated", recursive=True)
+        else:
+            infos = [i for v in sorted(set(versions))
+                     for i in self.list_files(f"annotated/{partition_name(v)}", recursive=True)]
         parts: dict[str, set[str]] = {}
         prefix = self.path("annotated") + "/"
-        for info in self.list_files("annotated", recursive=True):
+        for info in infos:
             rel = info.path[len(prefix):]
-            if rel.count("/") != 1 or not rel.endswith(".arrow"):
+            if not rel.endswith(".arrow"):
                 continue
-            shard_id, teacher = rel[: -len(".arrow")].split("/")
+            names = rel[: -len(".arrow")].split("/")
+            if len(names) == 3 and PARTITION_RE.fullmatch(names[0]):
+                names = names[1:]
+            elif len(names) != 2 or versions is not None:  # a flat-layout part counts in full listings only
+                continue
+            shard_id, teacher = names
             parts.setdefault(shard_id, set()).add(teacher)
         return parts
+
+    def legacy_layout_hint(self, shards: list[ShardInfo]) -> str | None:
+        """The one-line message for a store whose shards are still in the flat pre-partition layout, else None."""
+        flat = [s.path for s in shards if s.path != self.rollout_path(s.shard_id)]
+        if not flat:
+            return None
+        return (f"{self.path(flat[0])} and {len(flat) - 1} more shards are in the flat layout of earlier opd_cache "
+                f"versions (rollouts/<shard>.arrow); run `opd migrate --store {self.uri}` once, "
+                f"with no stage running")
+
+    # ------------------------------------------------ checkpoint folder checksums
+    def verify_folder(self, rel: str) -> list[FileProblem] | None:
+        """Check a checkpoint folder (policy version, resume state) against its `_CHECKSUMS.json`.
+
+        Returns the damaged or missing files (empty: intact), or None for a folder written before manifests.
+        """
+        if self.is_local:
+            return verify_local_folder(self.local_path(rel))
+        try:
+            manifest = self.read_bytes(f"{rel}/{MANIFEST}")
+        except FileNotFoundError:
+            return None
+        try:
+            files = parse_manifest(manifest, self.path(f"{rel}/{MANIFEST}"))
+        except ChecksumError as e:
+            return [FileProblem(MANIFEST, "corrupt", str(e))]
+        problems = []
+        for name, entry in sorted(files.items()):
+            try:
+                data = self.read_bytes(f"{rel}/{name}")
+            except FileNotFoundError:
+                data = None
+            problem = check_file(name, data, entry, self.path(f"{rel}/{name}"))
+            if problem:
+                problems.append(problem)
+        return problems
 
     # -------------------------------------------------------------- policy
     def latest_version(self) -> int:
@@ -414,8 +497,12 @@ class Store:
             )
         return version
 
-    def publish_policy(self, version: int, local_dir: str | os.PathLike) -> None:
-        """Publish a local HF checkpoint directory as `policy/v<version>` and point LATEST at it."""
+    def publish_policy(self, version: int, local_dir: str | os.PathLike, *, point_latest: bool = True) -> None:
+        """Publish a local HF checkpoint directory as `policy/v<version>` and point LATEST at it.
+
+        The folder gets `_CHECKSUMS.json` (every file's size and xxh3-64) before its `_COMPLETE` marker.
+        `point_latest=False` re-publishes an older version whose files were damaged, leaving LATEST alone.
+        """
         rel = self.policy_dir(version)
         if self.is_local:
             final = self.local_path(rel)
@@ -424,6 +511,7 @@ class Store:
                 with self._writing("write", str(final)):
                     try:
                         shutil.copytree(local_dir, tmp)
+                        (tmp / MANIFEST).write_bytes(manifest_bytes(manifest_for(tmp)))  # before the marker
                         (tmp / COMPLETE_MARKER).write_text(f"{version}\n")
                         if final.exists():  # a half-made directory from a killed publish without marker
                             shutil.rmtree(final)
@@ -433,13 +521,26 @@ class Store:
                         raise
         else:
             self.upload_dir(local_dir, rel)
+            self.write_bytes(f"{rel}/{MANIFEST}", manifest_bytes(manifest_for(Path(local_dir))))
             self.write_bytes(f"{rel}/{COMPLETE_MARKER}", f"{version}\n".encode())
-        self.write_bytes("policy/LATEST", f"{version}\n".encode())
+        if point_latest:
+            self.write_bytes("policy/LATEST", f"{version}\n".encode())
 
-    def policy_versions(self) -> list[int]:
+    def policy_versions(self, after: int | None = None) -> list[int]:
+        """Published (complete) versions, oldest first; with `after`, only the newer ones, without a listing.
+
+        The full form lists `policy/` and checks every marker (cost ∝ the versions published). A poller that
+        remembers the newest version it has seen passes it as `after`: versions are published in order and
+        LATEST moves only once a version is complete, so the new ones are (after, LATEST], one GET for LATEST
+        and one marker check per new version.
+        """
+        if after is not None:
+            latest = self.latest_version()
+            return [v for v in range(max(after, 0) + 1, latest + 1)
+                    if v == latest or self.exists(f"{self.policy_dir(v)}/{COMPLETE_MARKER}")]
         versions = []
         for name in self.list_dirs("policy"):
-            if re.fullmatch(r"v\d{6}", name) and self.exists(f"policy/{name}/{COMPLETE_MARKER}"):
+            if PARTITION_RE.fullmatch(name) and self.exists(f"policy/{name}/{COMPLETE_MARKER}"):
                 versions.append(int(name[1:]))
         return sorted(versions)
 
@@ -476,6 +577,82 @@ class Store:
             if info.base_name.endswith(".reason.txt"):
                 out[info.base_name[: -len(".reason.txt")]] = self.read_bytes(f"quarantine/{info.base_name}").decode().strip()
         return out
+
+
+class ShardWatch:
+    """What a polling stage sees of the rollout shards (and annotated parts), at a cost set by its window.
+
+    Shards live in one partition per policy version (`rollouts/v000003/`, `annotated/v000003/`), and a stage
+    can only use shards of the versions inside its staleness window [low, high]. So:
+
+    * the first poll lists everything once (a restarted stage catches up: expired shards included);
+    * every later poll lists the window's partitions, the partitions that left the window since the last
+      poll (their last listing: what they hold expired), and one partition below the window in turn, the
+      amortised sweep: a shard published late into an old version (its writer sampled with a version that
+      has since left every window) is still found, within as many polls as there are old versions, and
+      handled as before (expired, counted). A poll costs (versions in the window + 1) LISTs of `rollouts/`
+      (and as many of `annotated/` with parts=True), plus one per version the window moved, whatever the
+      run's history.
+
+    `shards` and `parts` hold what the last poll listed (not everything seen: the caller remembers what it
+    handled).
+    """
+
+    def __init__(self, store: Store, *, parts: bool = False):
+        self.store, self.with_parts = store, parts
+        self.shards: list[ShardInfo] = []
+        self.parts: dict[str, set[str]] = {}  # annotated parts of the partitions listed (with parts=True)
+        self.listed_below: int | None = None  # partitions below it had their last listing (None: no poll yet)
+        self._sweep = 0  # the next partition of the amortised sweep
+        self.polls = 0
+
+    def poll(self, low: int, high: int) -> list[ShardInfo]:
+        """List what the window [low, high] of policy versions needs; returns the shards found, sorted."""
+        low = max(low, 0)
+        high = max(high, low)
+        if self.listed_below is None:
+            shards = self.store.list_rollout_shards()
+            hint = self.store.legacy_layout_hint(shards)
+            if hint:
+                raise StoreError(hint)
+            parts = self.store.list_annotated_parts() if self.with_parts else {}
+            self.listed_below = low
+        else:
+            start = min(self.listed_below, low)
+            versions = list(range(start, high + 1))
+            if start > 0:
+                old = self._sweep % start
+                self._sweep = old + 1
+                versions.append(old)
+            shards = self.store.list_rollout_shards(versions)
+            parts = self.store.list_annotated_parts(versions) if self.with_parts else {}
+            self.listed_below = max(self.listed_below, low)
+        self.shards, self.parts = shards, parts
+        self.polls += 1
+        return shards
+
+
+class ShardTally:
+    """Every shard and part seen so far, for displays (`opd run`'s dashboard), at the cost of a ShardWatch poll.
+
+    `poll()` returns what `list_rollout_shards()` and `list_annotated_parts()` would (sorted shards, parts
+    by shard), but after the first call lists only the last `window` versions (and the watch's sweep) below
+    LATEST. A file moved away later (quarantined) stays counted: this is a tally, not a listing.
+    """
+
+    def __init__(self, store: Store, window: int = 4):
+        self.store, self.window = store, window
+        self.watch = ShardWatch(store, parts=True)
+        self.shards: dict[str, ShardInfo] = {}
+        self.parts: dict[str, set[str]] = {}
+
+    def poll(self) -> tuple[list[ShardInfo], dict[str, set[str]]]:
+        latest = self.store.latest_version()
+        for shard in self.watch.poll(latest - self.window, latest):
+            self.shards[shard.shard_id] = shard
+        for shard_id, teachers in self.watch.parts.items():
+            self.parts.setdefault(shard_id, set()).update(teachers)
+        return sorted(self.shards.values()), self.parts
 
 
 def _schema_version() -> int:

@@ -105,7 +105,7 @@ def prepared(tmp_path_factory, prompts) -> Path:
     for args in steps:
         result = opd(*args)
         assert result.exit_code == 0, (args, result.output, result.exception)
-    assert (root / f"annotated/{PENDING}/teacher.arrow").exists() and not (root / "train/DONE").exists()
+    assert (root / f"annotated/v000002/{PENDING}/teacher.arrow").exists() and not (root / "train/DONE").exists()
     assert sorted(os.listdir(root / "train/state")) == ["step-000001", "step-000002"]
     return root
 
@@ -131,7 +131,7 @@ def test_control_the_commands_of_the_matrix_work_on_an_undamaged_copy(store, pro
     """The refusals below are caused by the damage each test makes, not by the commands themselves."""
     result = opd("rollout", "--store", store, "--prompts", prompts, *ROLLOUT_ONE)
     assert result.exit_code == 0, result.output
-    assert (store / "rollouts/v000002-w01-000000.arrow").exists()
+    assert (store / "rollouts/v000002/v000002-w01-000000.arrow").exists()
     result = opd("train", "--store", store, *TRAIN_MORE)
     assert result.exit_code == 0, result.output
     assert "trained 24 samples" in " ".join(result.stdout.split())
@@ -321,8 +321,8 @@ def _quarantined(store: Path, before: dict, after: dict, rel: str) -> None:
 
 
 def test_truncated_rollout_shard_is_quarantined(store):
-    rel = "rollouts/v000002-w05-000000.arrow"  # e.g. copied in by hand, and cut short
-    (store / rel).write_bytes((store / f"rollouts/{PENDING}.arrow").read_bytes()[:1000])
+    rel = "rollouts/v000002/v000002-w05-000000.arrow"  # e.g. copied in by hand, and cut short
+    (store / rel).write_bytes((store / f"rollouts/v000002/{PENDING}.arrow").read_bytes()[:1000])
     before = snapshot(store)
     result = opd("annotate", "--store", store, "--teacher", TEACHER)
     assert result.exit_code == 0, result.output
@@ -331,15 +331,15 @@ def test_truncated_rollout_shard_is_quarantined(store):
     assert "annotated 0 shards" in result.stdout and "quarantined 1" in result.stdout
     after = snapshot(store)
     _quarantined(store, before, after, rel)
-    reason = (store / "quarantine/rollouts__v000002-w05-000000.arrow.reason.txt").read_text()
+    reason = (store / "quarantine/rollouts__v000002__v000002-w05-000000.arrow.reason.txt").read_text()
     assert reason.startswith(f"{rel}: {store / rel}: truncated or not an Arrow IPC stream")
 
 
 def test_shard_from_another_run_is_quarantined(store):
     s = Store(store)
-    table, meta = read_shard(s, f"rollouts/{PENDING}.arrow", kind=ROLLOUT)
+    table, meta = read_shard(s, f"rollouts/v000002/{PENDING}.arrow", kind=ROLLOUT)
     meta.run_id, meta.shard_id = "0therrun0000", "v000002-w07-000000"
-    rel = f"rollouts/{meta.shard_id}.arrow"
+    rel = f"rollouts/v000002/{meta.shard_id}.arrow"
     write_shard(s, rel, table, meta)
     before = snapshot(store)
     result = opd("annotate", "--store", store, "--teacher", TEACHER)
@@ -350,13 +350,17 @@ def test_shard_from_another_run_is_quarantined(store):
     _quarantined(store, before, snapshot(store), rel)
 
 
-def test_truncated_annotated_part_stops_the_trainer(store):
-    part = store / f"annotated/{PENDING}/teacher.arrow"
-    truncate(part)
+def test_truncated_annotated_part_is_quarantined_and_the_trainer_goes_on(store):
+    """Damaged bytes are never trained on: the part is moved to quarantine/ for annotate to score again."""
+    rel = f"annotated/v000002/{PENDING}/teacher.arrow"
+    truncate(store / rel)
     before = snapshot(store)
-    assert_refused_like(opd("train", "--store", store, *TRAIN_MORE),
-                        re.escape(f"{part}: truncated or not an Arrow IPC stream (") + r"[^\n]+\)")
-    assert snapshot(store) == before  # nothing trained, no ledger, no version, no state
+    result = opd("train", "--store", store, *TRAIN_MORE)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert f"{store / rel}: truncated or not an Arrow IPC stream (" in " ".join(result.stdout.split())
+    after = snapshot(store)
+    assert after[f"quarantine/{rel.replace('/', '__')}"] == before[rel] and rel not in after
+    assert Store(store).read_progress()["step"] == 2  # PENDING was the only data left: it waits for annotate
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -385,12 +389,16 @@ def test_teacher_with_only_pickle_weights_leaves_run_json_alone(store, tmp_path)
     assert snapshot(store) == before
 
 
-def test_corrupt_policy_checkpoint(store, prompts):
-    truncate(store / "policy/v000002/model.safetensors")
-    before = snapshot(store)
-    assert_refused_like(opd("rollout", "--store", store, "--prompts", prompts, *ROLLOUT_ONE),
-                        re.escape(f"model {store}/policy/v000002: cannot be loaded (") + r"[^\n]+\)")
-    assert snapshot(store) == before
+def test_corrupt_policy_checkpoint_is_never_loaded(store, prompts):
+    """Rollout refuses a version whose files fail their checksums, quarantines them and samples with the previous."""
+    rel = "policy/v000002/model.safetensors"
+    truncate(store / rel)
+    result = opd("rollout", "--store", store, "--prompts", prompts, *ROLLOUT_ONE)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert (f"policy version 2 is not loaded: {store / rel} failed its checksum (stored "
+            in " ".join(result.stderr.split())), result.stderr
+    assert (store / f"quarantine/{rel.replace('/', '__')}").exists() and not (store / rel).exists()
+    assert (store / "rollouts/v000001/v000001-w01-000000.arrow").exists()  # sampled by version 1
 
 
 def test_latest_points_at_a_missing_version(store, prompts):
@@ -404,16 +412,20 @@ def test_latest_points_at_a_missing_version(store, prompts):
 
 @pytest.mark.parametrize("damage", ["trainer.json", ".metadata", "__0_0.distcp"])
 def test_corrupt_resume_state(store, damage):
+    """A damaged newest state is quarantined and the trainer resumes from the previous complete one."""
     state = store / "train/state/step-000002"
     if damage == "trainer.json":
         (state / damage).write_text('{"step": 2, ')
     else:
         truncate(state / damage)
-    before = snapshot(store)
-    assert_refused_like(opd("train", "--store", store, *TRAIN_MORE),
-                        re.escape(f"{state}: the resume state cannot be loaded (") + r"[^\n]+"
-                        + re.escape(f"); move it out of {store}/train/state to resume from the previous state"))
-    assert snapshot(store) == before
+    result = opd("train", "--store", store, *TRAIN_MORE)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert re.search(re.escape(f"warning: resume state step 2 is damaged ({state / damage} failed its checksum "
+                               f"(stored ") + r"[0-9a-f]{16}, computed [0-9a-f]{16}, \d+ bytes instead of \d+\)\): "
+                     + re.escape("quarantined; trying the previous complete state"), result.stderr), result.stderr
+    assert (store / f"quarantine/train__state__step-000002__{damage}").exists()
+    assert "resuming from" in result.stdout and "(step 1, " in result.stdout
+    assert Store(store).read_progress()["step"] == 3  # steps 2 and 3 trained again from step 1's state
 
 
 # ---------------------------------------------------------------------------------------------- the store itself

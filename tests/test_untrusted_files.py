@@ -27,6 +27,7 @@ from opd_cache.metrics import MetricsLog
 from opd_cache.schema import ShardError, read_shard
 from opd_cache.store import Store, StoreError, make_shard_id
 from tests.conftest import write_random_rollout_shard
+from tests.faults import reseal_folder, reseal_shard
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "opd_cache"
@@ -169,6 +170,7 @@ def fake_vllm(monkeypatch):
     class LLM:
         def __init__(self, **kwargs):
             calls.append(kwargs)
+            self.model_config = types.SimpleNamespace(dtype=kwargs["dtype"])  # the engines check the loaded dtype
 
     module = types.ModuleType("vllm")
     module.LLM = LLM
@@ -224,6 +226,7 @@ def test_resume_state_metadata_with_code_is_refused(tmp_path, marker):
     _tiny_training_state(store)
     state = tmp_path / "store/train/state/step-000001"
     (state / ".metadata").write_bytes(pickle.dumps(OpenFile(marker)))
+    reseal_folder(state)  # whoever can write the store can rewrite its checksums too
     from torch.distributed.checkpoint import FileSystemReader
 
     FileSystemReader(str(state)).read_metadata()  # control: DCP's own reader runs the payload
@@ -253,6 +256,7 @@ def test_resume_state_entry_with_code_is_refused(tmp_path, marker):
     for name in [p.name for p in state.iterdir() if p.name.startswith(("__", ".metadata"))]:
         (state / name).unlink()
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(state))
+    reseal_folder(state)  # whoever can write the store can rewrite its checksums too
 
     # control: DCP's own loader runs the payload
     from torch.distributed.checkpoint.api import CheckpointException
@@ -307,16 +311,17 @@ def test_shard_with_offsets_outside_its_buffers_is_refused(tmp_path):
     store = Store(tmp_path / "store")
     table = write_random_rollout_shard(store, shard_id="v000000-w00-000000", num_rows=3, prompt_len=7, seed=3)
     offsets = np.concatenate([[0], np.cumsum([len(r) for r in table["response_ids"].to_pylist()])]).astype(np.int32)
-    path = tmp_path / "store/rollouts/v000000-w00-000000.arrow"
+    path = tmp_path / "store/rollouts/v000000/v000000-w00-000000.arrow"
     data = path.read_bytes()
     bad = offsets.copy()
     bad[-1] = 50_000_000
     # response_ids and behavior_logprobs share these offsets: both are patched, so their lengths still agree
     assert data.count(offsets.tobytes()) == 2
     path.write_bytes(data.replace(offsets.tobytes(), bad.tobytes()))
+    reseal_shard(path)  # whoever can write the store can rewrite its checksums too
     with pytest.raises(ShardError, match=re.escape(f"{path}: invalid Arrow data (") + ".*"
                        + re.escape("Length spanned by list offsets (50000000) larger than values array")):
-        read_shard(store, "rollouts/v000000-w00-000000.arrow")
+        read_shard(store, "rollouts/v000000/v000000-w00-000000.arrow")
 
 
 @pytest.mark.parametrize("call", [

@@ -5,7 +5,11 @@ Resume state `train/state/step-<N>/` (every `save_every` steps and at the end):
     (DCP reshards on load, so a state saved by 2 ranks loads on 1 or 4);
     `trainer.json`: step, policy version, the stream cursor (finished shards,
     current shard and rows consumed of it), counters; `rng-<rank>.json`: each
-    rank's torch RNG state; `_COMPLETE`, written last.
+    rank's torch RNG state; `_CHECKSUMS.json`, every file's size and xxh3-64
+    (each rank hashes the files it wrote, rank 0 writes the merged list);
+    `_COMPLETE`, written last. `load_state` checks every file against the
+    manifest before loading anything; the trainer quarantines a state that
+    fails and resumes from the previous complete one.
     Atomicity: on a local store every rank writes into `step-<N>.tmp-save/`,
     rank 0 adds `_COMPLETE` and renames the folder into place. Object stores
     cannot rename folders: DCP writes to a local folder, each rank uploads its
@@ -23,8 +27,9 @@ ledger exactly once (`verify_ledger` checks it).
 Policy version N: rank 0 gathers the full state dict
 (`get_model_state_dict(full_state_dict=True, cpu_offload=True)`), writes an HF
 checkpoint (safetensors, config, tokenizer) to a local temporary folder and
-`store.publish_policy(N, folder)` copies it into `policy/v<N>` atomically and
-then replaces `policy/LATEST`.
+`store.publish_policy(N, folder)` copies it into `policy/v<N>` atomically (with
+`_CHECKSUMS.json` before `_COMPLETE`) and then replaces `policy/LATEST`. A
+resumed trainer that re-derives a version it finds damaged publishes it again.
 
 Untrusted files. DCP writes its `.metadata` with pickle and the non-tensor
 entries of a state (the optimizer's hyper-parameters) with `torch.save`, and
@@ -49,6 +54,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -56,6 +62,7 @@ from pathlib import Path
 
 import torch
 
+from opd_cache.integrity import MANIFEST, FileProblem, legacy_warning, manifest_bytes, manifest_for, verify_local_folder
 from opd_cache.store import COMPLETE_MARKER, Store, StoreError, iter_jsonl
 
 STATE_ROOT = "train/state"
@@ -126,19 +133,25 @@ def save_state(store: Store, step: int, objective: torch.nn.Module, optimizer: t
     if rank == 0:
         (folder / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
     _barrier(distributed)
+    mine = [p for p in folder.iterdir() if p.name.startswith(f"__{rank}_") or p.name == f"rng-{rank}.json"
+            or (rank == 0 and p.name in (".metadata", "trainer.json"))]
+    # Each rank checksums the files it wrote (on an object store they exist only in its own local folder);
+    # rank 0 writes the merged manifest before `_COMPLETE`.
+    checksums = _gather_to_rank0(manifest_for(folder, [p.name for p in mine]), distributed)
     if not store.is_local:
-        mine = [p for p in folder.iterdir() if p.name.startswith(f"__{rank}_") or p.name == f"rng-{rank}.json"
-                or (rank == 0 and p.name in (".metadata", "trainer.json"))]
         for p in mine:
             store.write_bytes(f"{rel}/{p.name}", p.read_bytes())
         _barrier(distributed)
     if rank == 0:
+        manifest = manifest_bytes({name: entry for part in checksums for name, entry in part.items()})
         if store.is_local:
+            (folder / MANIFEST).write_bytes(manifest)
             (folder / COMPLETE_MARKER).write_text(f"{step}\n")
             if final.exists():  # a folder from a crashed save without marker
                 shutil.rmtree(final)
             os.replace(folder, final)
         else:
+            store.write_bytes(f"{rel}/{MANIFEST}", manifest)
             store.write_bytes(f"{rel}/{COMPLETE_MARKER}", f"{step}\n".encode())
             shutil.rmtree(folder, ignore_errors=True)
         for old in complete_states(store)[:-keep]:
@@ -148,9 +161,39 @@ def save_state(store: Store, step: int, objective: torch.nn.Module, optimizer: t
     _barrier(distributed)
 
 
+def drop_corrupt_state(store: Store, error: CorruptStateError) -> None:
+    """Quarantine the damaged files of a resume state and withdraw its `_COMPLETE`, so nothing loads it again."""
+    for problem in error.problems:
+        rel = f"{error.rel}/{problem.name}"
+        if problem.status == "corrupt" and store.exists(rel):
+            store.quarantine(rel, problem.reason)
+    store.delete(f"{error.rel}/{COMPLETE_MARKER}")
+
+
+def _gather_to_rank0(obj, distributed: bool) -> list:
+    """Every rank's `obj`, on rank 0 (other ranks get an empty list); a collective under torchrun."""
+    if not distributed:
+        return [obj]
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered if torch.distributed.get_rank() == 0 else []
+
+
+class CorruptStateError(StoreError):
+    """A resume state whose files differ from its `_CHECKSUMS.json`: never loaded, even in part."""
+
+    def __init__(self, rel: str, problems: list[FileProblem]):
+        self.rel, self.problems = rel, problems
+        super().__init__("; ".join(p.reason for p in problems))
+
+
 def load_state(store: Store, step: int, objective: torch.nn.Module, optimizer: torch.optim.Optimizer,
                *, rank: int = 0) -> dict:
-    """Load the resume state of step `step` into the model and optimizer; returns trainer.json."""
+    """Load the resume state of step `step` into the model and optimizer; returns trainer.json.
+
+    Every file is checked against the state's `_CHECKSUMS.json` before anything is loaded; a damaged or
+    missing file raises CorruptStateError (the model and optimizer are untouched).
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -161,6 +204,13 @@ def load_state(store: Store, step: int, objective: torch.nn.Module, optimizer: t
     else:
         cleanup = folder = Path(tempfile.mkdtemp(prefix="opd-state-"))
         store.download_dir(rel, folder)
+    problems = verify_local_folder(folder)  # the bytes about to be loaded (on S3: the downloaded copy)
+    if problems:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        raise CorruptStateError(rel, problems)
+    if problems is None:
+        legacy_warning("resume state", store.path(rel))
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -335,8 +385,15 @@ def publish_version(store: Store, version: int, objective: torch.nn.Module, toke
         full = get_model_state_dict(objective, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return
-    if store.exists(f"{store.policy_dir(version)}/{COMPLETE_MARKER}") and store.latest_version() >= version:
-        return  # published before a crash; the resumed run does not move LATEST back
+    marker = f"{store.policy_dir(version)}/{COMPLETE_MARKER}"
+    latest = store.latest_version()
+    if store.exists(marker) and latest >= version:
+        problems = store.verify_folder(store.policy_dir(version))
+        if not problems:
+            return  # published before a crash; the resumed run does not move LATEST back
+        # Damaged since (rollout quarantined what failed its checksum): publish these weights again.
+        print(f"policy version {version}: {problems[0].reason}; publishing it again", file=sys.stderr)
+        store.delete(marker)
     folder = tempfile.mkdtemp(prefix=f"opd-policy-v{version:06d}-")
     try:
         if full is None:
@@ -355,7 +412,7 @@ def publish_version(store: Store, version: int, objective: torch.nn.Module, toke
                 if was_enabled:
                     hf_logging.enable_progress_bar()
             tokenizer.save_pretrained(folder)
-        store.publish_policy(version, folder)
+        store.publish_policy(version, folder, point_latest=version >= latest)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -381,6 +438,9 @@ def write_progress(store: Store, *, step: int, policy_version: int, cursor: dict
         "consumed_shards": len(cursor["finished"]),
         "trained_samples": cursor["trained_samples"],
         "unrouted_samples": cursor["unrouted_samples"],
+        # rows of rollout shards that failed their checksum (quarantined; the other stages never count them)
+        "lost_samples": cursor.get("lost_samples", 0),
+        "lost_shards": cursor.get("lost_shards", 0),
         "current_shard": cursor["current"],
         "current_shard_rows": cursor["current_rows"],
         "time": round(time.time(), 3),

@@ -26,9 +26,9 @@ while it prefetches.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -39,9 +39,11 @@ from opd_cache.config import Config, TrainConfig
 from opd_cache.engines import resolve_device
 from opd_cache.losses import LOSSES, POLICY_GRADIENT, token_losses
 from opd_cache.metrics import MetricsLog
+from opd_cache.tracking import Tracker, check_trackers, train_metrics
 from opd_cache.store import Store
 from opd_cache.train.checkpoint import (
-    clear_ledger_after, complete_states, load_state, publish_version, save_state, write_consumed, write_progress,
+    CorruptStateError, clear_ledger_after, complete_states, drop_corrupt_state, load_state, publish_version, save_state,
+    write_consumed, write_progress,
 )
 from opd_cache.train.loader import BatchLoader, LoadedStep
 from opd_cache.train.objective import DistillationObjective, LossOptions
@@ -150,11 +152,12 @@ class Trainer:
 
         self.config, self.cfg, self.env = config, config.train, env
         self.console = console if env.rank == 0 else None
-        self.metrics = self.tensorboard = None  # rank 0 opens them when training starts
+        self.metrics = self.tracker = None  # rank 0 opens them when training starts
         cfg = self.cfg
         self.store = Store(config.store.uri, s3_endpoint=config.store.s3_endpoint)
         run = self.store.require_run()
         check_inputs(cfg, run, env.world_size)
+        check_trackers(cfg.report_to)  # a missing tracker package fails before the model loads
         student = cfg.student or run.get("student")
         if not student:
             raise ValueError("no student model: pass --student PATH (run.json has no 'student' either)")
@@ -200,9 +203,8 @@ class Trainer:
         self.version = 0
         self.anchor_step, self.anchor_version, self.published_step = 0, self.version, 0
         self.cursor = StreamCursor().to_dict()
-        states = complete_states(self.store)
-        if states:
-            state = load_state(self.store, states[-1], self.objective, self.optimizer, rank=env.rank)
+        state = self._load_newest_intact_state()
+        if state is not None:
             self.step = self.saved_step = state["step"]
             self.version, self.cursor = state["policy_version"], state["cursor"]
             self.saved_cursor = self.cursor
@@ -217,6 +219,21 @@ class Trainer:
             if swept and self.console:
                 self.console.print(f"removed {len(swept)} temporary file(s) left by killed writers, e.g. {swept[0]}")
         env.barrier()
+
+    def _load_newest_intact_state(self) -> dict | None:
+        """trainer.json of the newest complete resume state whose files pass their checksums, loaded.
+
+        A damaged state is quarantined (rank 0) and never loaded, not even in part; the previous one is tried.
+        """
+        for step in reversed(complete_states(self.store)):
+            try:
+                return load_state(self.store, step, self.objective, self.optimizer, rank=self.env.rank)
+            except CorruptStateError as e:
+                if self.env.rank == 0:
+                    drop_corrupt_state(self.store, e)
+                    print(f"warning: resume state step {step} is damaged ({e}): quarantined; trying the previous "
+                          f"complete state", file=sys.stderr)
+        return None
 
     def _low_precision_dtype(self) -> torch.dtype | None:
         mode, device = self.cfg.mixed_precision, self.env.device
@@ -235,6 +252,19 @@ class Trainer:
                 "published_step": self.published_step, "world_size": self.env.world_size,
                 "loss": self.cfg.loss, "time": round(time.time(), 3)}
 
+    def make_data(self):
+        """The shard cache (every rank) and the batch stream (rank 0, else None); `opd replay` overrides it."""
+        cfg = self.cfg
+        cache = ShardCache(self.store, self.run_manifest, required_teachers(self.run_manifest),
+                           need_support=cfg.support == "union")
+        stream = None
+        if self.env.rank == 0:
+            stream = ShardStream(self.store, self.run_manifest, cache, max_staleness=cfg.max_staleness,
+                                 batch_samples=cfg.global_batch_samples, batch_tokens=cfg.global_batch_tokens,
+                                 follow=cfg.follow, poll_seconds=cfg.poll_seconds, idle_timeout=cfg.idle_timeout,
+                                 cursor=StreamCursor.from_dict(self.cursor))
+        return cache, stream
+
     # ------------------------------------------------------------------ main loop
     def run(self) -> TrainResult:
         cfg, env, store = self.cfg, self.env, self.store
@@ -248,17 +278,18 @@ class Trainer:
                 store.delete("train/DONE")  # training continues: a larger --max-steps than the finished run's
             self.metrics = MetricsLog(store, "train", "0")
             # records of steps after the resumed state are logged again by this run
-            self.metrics.lines = [line for line in self.metrics.lines if json.loads(line).get("step", 0) <= self.step]
-            self.tensorboard = self._tensorboard() if cfg.tensorboard else None
+            self.metrics.rewrite(lambda record: record.get("step", 0) <= self.step)
+            self._write_progress(self.cursor)  # rollout and annotate pace on its demand from the start
+            self.tracker = Tracker(cfg.report_to, store=store, run_id=self.run_manifest["run_id"], job="train",
+                                   config=self.config.model_dump(mode="json")) if cfg.report_to else None
 
-        cache = ShardCache(store, self.run_manifest, required_teachers(self.run_manifest),
-                           need_support=cfg.support == "union")
-        stream = None
-        if env.rank == 0:
-            stream = ShardStream(store, self.run_manifest, cache, max_staleness=cfg.max_staleness,
-                                 batch_samples=cfg.global_batch_samples, batch_tokens=cfg.global_batch_tokens,
-                                 follow=cfg.follow, poll_seconds=cfg.poll_seconds, idle_timeout=cfg.idle_timeout,
-                                 cursor=StreamCursor.from_dict(self.cursor))
+        cache, stream = self.make_data()
+        if stream is not None:
+            if self.console:
+                from rich.markup import escape
+
+                stream.on_event = lambda message: self.console.print(f"[yellow]{escape(message)}[/]", highlight=False,
+                                                                     soft_wrap=True)
         scorer = None
         if cfg.task_reward_weight > 0:
             from opd_cache.train.task_reward import score_batch
@@ -269,6 +300,8 @@ class Trainer:
                              version_of_step=self.version_of_step, micro_batch_tokens=cfg.micro_batch_tokens,
                              aggregation=cfg.aggregation, scorer=scorer, pad_id=self.tokenizer.pad_token_id or 0,
                              prefetch=cfg.prefetch_batches, pin_memory=env.device.type == "cuda").start()
+        if stream is not None:
+            stream.on_wait = self._progress_while_waiting(stream, stream.on_wait)
         stopped = "max_steps"
         try:
             while self.step < cfg.max_steps:
@@ -336,7 +369,7 @@ class Trainer:
         if (self.step - self.anchor_step) % cfg.publish_every == 0:
             self._publish()
         if env.rank == 0:
-            write_progress(self.store, step=self.step, policy_version=self.version, cursor=self.cursor)
+            self._write_progress(self.cursor)
         if self.step % cfg.save_every == 0:
             self._save()
         if env.rank == 0:
@@ -349,6 +382,7 @@ class Trainer:
                 "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
                 "data_wait_s": queue_wait, "stream_wait_s": batch.wait_seconds, "decode_s": item.decode_seconds,
                 "expired_rows": batch.expired_rows, "expired_total": self.cursor["expired_samples"],
+                "lost_total": self.cursor.get("lost_samples", 0), "lost_shards": self.cursor.get("lost_shards", 0),
                 "staleness": batch.staleness_histogram(),
                 "loss_min": float(extremes[0]) if tokens else None,
                 "loss_max": -float(extremes[1]) if tokens else None,
@@ -364,6 +398,31 @@ class Trainer:
         if self.env.distributed or self.low_precision is None:
             return contextlib.nullcontext()  # FSDP2's MixedPrecisionPolicy casts the parameters itself
         return torch.autocast(self.env.device.type, dtype=self.low_precision)
+
+    def _write_progress(self, cursor: dict) -> None:
+        # what pacing needs (issue #14): the samples all max_steps steps train, unknown with a token budget
+        needed = self.cfg.max_steps * self.cfg.global_batch_samples if self.cfg.global_batch_samples else None
+        write_progress(self.store, step=self.step, policy_version=self.version, cursor=cursor,
+                       extra={"samples_needed_total": needed})
+
+    def _progress_while_waiting(self, stream, then):
+        """The stream's wait hook: publish rows it expired (or took) while the step waits for data.
+
+        Rollout and annotate stop once the unconsumed rows cover the remaining demand; rows that expired
+        during this wait would otherwise count as coverage until the step ends, and the step waits for them.
+        """
+        published = None
+
+        def on_wait() -> None:
+            nonlocal published
+            cursor = stream.cursor.to_dict()
+            counts = (cursor["trained_samples"], cursor["unrouted_samples"], cursor["expired_samples"])
+            if counts != published:
+                self._write_progress(cursor)
+                published = counts
+            if then is not None:
+                then()
+        return on_wait
 
     def _publish(self) -> None:
         self.version += 1
@@ -384,13 +443,13 @@ class Trainer:
         if (self.step, self.cursor) != (self.saved_step, self.saved_cursor):
             self._save()
         if self.env.rank == 0:
-            write_progress(self.store, step=self.step, policy_version=self.version, cursor=self.cursor)
+            self._write_progress(self.cursor)
             if stopped == "max_steps" or (self.cfg.follow and "idle" in stopped):
                 self.store.mark_done(f"{stopped} at step {self.step}")
             if self.metrics is not None:
                 self.metrics.flush()
-            if self.tensorboard is not None:
-                self.tensorboard.close()
+            if self.tracker is not None:
+                self.tracker.close()
             if self.console:
                 self.console.print(f"[bold green]stopped[/] ({stopped}) at step {self.step}, policy version "
                                    f"{self.version}; trained {self.cursor['trained_samples']} samples, "
@@ -402,23 +461,10 @@ class Trainer:
                            self.cursor["expired_samples"])
 
     # ------------------------------------------------------------------ reporting
-    def _tensorboard(self):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise ValueError("train.tensorboard needs the tensorboard package: pip install tensorboard") from e
-        if self.store.is_local:
-            log_dir = self.store.local_path("metrics/tensorboard")
-        else:
-            log_dir = os.path.join("tensorboard", self.run_manifest["run_id"])
-        return SummaryWriter(log_dir=str(log_dir))
-
     def _log(self, record: dict) -> None:
         self.metrics.log(record)
-        if self.tensorboard is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.tensorboard.add_scalar(f"train/{key}", value, record["step"])
+        if self.tracker is not None:  # train.report_to: the same numbers, live (opd_cache/tracking.py)
+            self.tracker.log(train_metrics(record, self.cursor["trained_samples"]), record["step"])
         if self.console:
             stale = " ".join(f"{k}:{v}" for k, v in record["staleness"].items())
             self.console.print(

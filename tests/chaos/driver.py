@@ -20,6 +20,9 @@ A run, top to bottom:
      whatever it is doing (loading a model, sampling, training, waiting).
    Every decision comes from `random.Random(seed)`; the timing of the
    processes is not reproducible, so neither is the exact kill sequence.
+   It also damages up to `corruptions` stored files (an annotated part, or a
+   file of the newest resume state): bytes flipped or the file truncated,
+   replaced atomically; the stages must notice, quarantine and recover.
 4. While the stages run, it reads `policy/LATEST` every half second: it must
    always name a complete version and never move back.
 5. It stops killing once it has sent `kills` SIGKILLs and met the quotas (per
@@ -97,6 +100,8 @@ class ChaosSettings:
     kill_at_pause: float = 0.25  # probability of killing at a non-key kill point (while kills are wanted)
     kill_at_tmp: float = 0.3  # probability of killing the writer of a newly seen *.tmp-*
     timeout_s: float = 1500.0  # generous: on a busy 2-core machine one restart takes 20-40 s
+    corruptions: int = 3  # stored files damaged during the run (flipped bytes or truncation), at most
+    corrupt_interval_s: float = 15.0  # mean time between two of them
 
 
 @dataclass
@@ -114,6 +119,7 @@ class ChaosReport:
     starts: Counter = field(default_factory=Counter)  # process starts per stage name
     pauses: int = 0  # kill points at which a stage was stopped (killed or resumed)
     latest_seen: list[int] = field(default_factory=list)  # distinct LATEST values, in order
+    corrupted: list[dict] = field(default_factory=list)  # {"seconds", "rel", "how"} of each damaged file
 
     def per_stage(self) -> Counter:
         return Counter(k.stage for k in self.kills)
@@ -127,7 +133,8 @@ class ChaosReport:
                  f"LATEST {self.latest_seen}",
                  "  per stage: " + ", ".join(f"{k} {v}" for k, v in sorted(self.per_stage().items())),
                  "  per point: " + ", ".join(f"{k} {v}" for k, v in sorted(self.per_point().items())),
-                 "  starts: " + ", ".join(f"{k} {v}" for k, v in sorted(self.starts.items()))]
+                 "  starts: " + ", ".join(f"{k} {v}" for k, v in sorted(self.starts.items())),
+                 "  damaged: " + ", ".join(f"{c['rel']} ({c['how']})" for c in self.corrupted)]
         return "\n".join(lines)
 
 
@@ -192,7 +199,8 @@ class ChaosDriver:
         self._t0 = 0.0
         self._started_at: dict[str, float] = {}
         self._tmp_seen: set[str] = set()
-        self._annotated_done: set[str] = set()  # annotated/<shard> folders whose part exists (no more tmp there)
+        self.pristine = workdir / "pristine"  # each damaged file's bytes before the damage
+        self._annotated_done: set[str] = set()  # annotated/<version>/<shard> folders whose part exists (no tmp)
 
     # ------------------------------------------------------------ processes
     def _start(self, stage: StageProcess) -> None:
@@ -276,12 +284,18 @@ class ChaosDriver:
     def _new_tmp_paths(self) -> list[str]:
         """Store-relative paths of `*.tmp-*` files and folders not seen before (local stores)."""
         root = Path(self.store.root)
-        folders = ["rollouts", "policy", "train/state"]  # shard writes, publications, resume states
+        folders = ["policy", "train/state"]  # publications, resume states; shard writes: their version partitions
+        rollouts = root / "rollouts"
+        if rollouts.is_dir():
+            folders += [f"rollouts/{entry.name}" for entry in os.scandir(rollouts) if entry.is_dir()]
         annotated = root / "annotated"
         if annotated.is_dir():
-            for entry in os.scandir(annotated):
-                if entry.name not in self._annotated_done:
-                    folders.append(f"annotated/{entry.name}")
+            for partition in os.scandir(annotated):
+                if not partition.is_dir():
+                    continue
+                for entry in os.scandir(partition.path):
+                    if f"{partition.name}/{entry.name}" not in self._annotated_done:
+                        folders.append(f"annotated/{partition.name}/{entry.name}")
         found = []
         for folder in folders:
             try:
@@ -300,7 +314,7 @@ class ChaosDriver:
 
     def _writer_of(self, rel: str) -> StageProcess | None:
         if rel.startswith("rollouts/"):
-            worker = parse_shard_id(rel.split("/")[1].split(".")[0])[1]
+            worker = parse_shard_id(rel.split("/")[2].split(".")[0])[1]  # rollouts/v<version>/<shard>.arrow.tmp-*
             names = [f"rollout-{worker}"]
         elif rel.startswith("annotated/"):
             names = [s.name for s in self.stages if s.name.startswith("annotate-")]
@@ -342,6 +356,57 @@ class ChaosDriver:
             stage = self.rng.choice(pool)
             self._kill(stage, "random:working" if self._is_up(stage) else "random:starting")
 
+    # ------------------------------------------------------------ damaged bytes
+    def _corrupt_random_file(self) -> None:
+        """Damage one stored file: an annotated part already trained, or a file of the newest resume state
+        (while another complete state is intact, so that there is one to fall back to).
+
+        The damaged copy replaces the file atomically (a new file, as a bad copy or a re-replicated object
+        leaves it): a reader that has the old file open keeps the bytes it verified. Rollout shards (their rows
+        are lost by design) and policy versions are covered by tests/test_integrity.py instead.
+        """
+        from opd_cache.train.checkpoint import complete_states, state_rel
+
+        states = complete_states(self.store)
+        # Parts of shards finished before the oldest complete state: no resume reads them again (a resumed
+        # trainer that skipped a quarantined part would train its steps in another order than the versions
+        # already published, which the replay check below would rightly refuse; see docs/reliability.md).
+        try:
+            finished = set(json.loads(self.store.read_bytes(f"{state_rel(states[0])}/trainer.json"))["cursor"]
+                           ["finished"]) if states else set()
+        except (FileNotFoundError, ValueError, KeyError):
+            finished = set()
+        candidates = [self.store.annotated_path(shard, teacher)
+                      for shard, teachers in self.store.list_annotated_parts().items() if shard in finished
+                      for teacher in teachers]
+        damaged_states = {c["rel"].rsplit("/", 1)[0] for c in self.report.corrupted if c["rel"].startswith("train/")}
+        if len(states) >= 2 and not damaged_states & {state_rel(s) for s in states}:
+            newest = state_rel(states[-1])
+            candidates += [f"{newest}/{info.base_name}" for info in self.store.list_files(newest)
+                           if info.base_name not in ("_COMPLETE", "_CHECKSUMS.json")]
+        done = {c["rel"] for c in self.report.corrupted}
+        candidates = sorted(set(candidates) - done)
+        if not candidates:
+            return
+        rel = self.rng.choice(candidates)
+        try:
+            data = self.store.read_bytes(rel)
+        except FileNotFoundError:
+            return  # quarantined or deleted since the listing
+        how = self.rng.choice(["flip", "truncate"])
+        if how == "truncate" or len(data) < 2:
+            damaged = data[: self.rng.randrange(0, max(1, len(data)))]
+        else:
+            buf = bytearray(data)
+            at = self.rng.randrange(len(buf))
+            for i in range(at, min(at + 8, len(buf))):
+                buf[i] ^= 0xFF
+            damaged = bytes(buf)
+        (self.pristine / rel).parent.mkdir(parents=True, exist_ok=True)
+        (self.pristine / rel).write_bytes(data)
+        self.store.write_bytes(rel, damaged)
+        self.report.corrupted.append({"seconds": round(time.monotonic() - self._t0, 2), "rel": rel, "how": how})
+
     # ------------------------------------------------------------ LATEST
     def _check_latest(self) -> None:
         try:
@@ -359,6 +424,7 @@ class ChaosDriver:
         self._t0 = time.monotonic()
         next_random = self._t0 + self.rng.expovariate(1.0 / self.settings.random_interval_s)
         next_latest = 0.0
+        next_corrupt = self._t0 + self.rng.expovariate(1.0 / self.settings.corrupt_interval_s)
         finished: set[str] = set()
         have_run = False
         try:
@@ -398,6 +464,10 @@ class ChaosDriver:
                 if now >= next_latest:
                     self._check_latest()
                     next_latest = now + 0.5
+                if now >= next_corrupt and len(self.report.corrupted) < self.settings.corruptions \
+                        and not self.store.is_done():
+                    self._corrupt_random_file()
+                    next_corrupt = now + self.rng.expovariate(1.0 / self.settings.corrupt_interval_s)
                 time.sleep(0.015)
             self._check_latest()
         finally:

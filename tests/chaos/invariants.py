@@ -6,7 +6,9 @@ naming the first broken promise:
 - no partial or unreadable file is visible: every rollout shard and annotated
   part validates (`read_shard`) and every part covers its rollout rows, every
   JSON / JSON-lines file parses, every published policy loads, every complete
-  resume state loads in full; nothing was quarantined;
+  resume state loads in full; nothing was quarantined but the files the driver
+  damaged, and each of those is quarantined or reported by `opd verify`
+  (`check_damage`);
 - policy versions are 1..N without a gap, each complete, LATEST = N, and the
   newest resume state holds exactly the weights of version N;
 - every trained sample_id is in exactly one rollout shard (the one its ledger
@@ -94,21 +96,53 @@ def ledger_lines(store: Store) -> dict[int, list[dict]]:
 
 
 # ---------------------------------------------------------------- the checks
-def check_store(store: Store, cfg: Config, scratch: Path) -> dict:
+def check_damage(store: Store, corrupted: list[dict], pristine: Path) -> dict:
+    """The files the driver damaged: each is in quarantine/ with a checksum reason (a stage read it and
+    recovered), or still in place and reported by `opd verify`'s check (nothing read it again); nothing else is
+    quarantined or reported. Then the damaged files still in place get their pristine bytes back (a restore
+    from backup), so that the other checks and the replay read what the stages trained on."""
+    from opd_cache.integrity import verify_store
+
+    damaged = {c["rel"] for c in corrupted}
+    quarantined = store.list_quarantine()
+    for name, reason in quarantined.items():
+        rel = next((r for r in damaged if r.replace("/", "__") == name), None)
+        assert rel is not None, f"{name} was quarantined but never damaged: {reason}"
+        assert any(why in reason for why in ("failed its checksum", "truncated or not an Arrow IPC stream",
+                                             "invalid Arrow data")), f"{name}: quarantined with reason {reason!r}"
+    reported = {rel: reason for rel, _, reason in verify_store(store).problems}
+    assert set(reported) <= damaged, f"opd verify reports files nobody damaged: {set(reported) - damaged}"
+    in_place = [rel for rel in sorted(damaged) if rel in reported]
+    for rel in sorted(damaged - set(reported)):
+        if rel.replace("/", "__") in quarantined or not store.exists(rel):
+            continue  # recovered from; or a resume state that keep_states deleted
+        folder = rel.rsplit("/", 1)[0]
+        if rel.startswith("train/state/") and not store.exists(f"{folder}/{COMPLETE_MARKER}"):
+            continue  # a state being deleted when the damage landed: no state, never read
+        raise AssertionError(f"{rel}: damaged, neither quarantined nor reported by opd verify")
+    for rel in in_place:
+        store.write_bytes(rel, (pristine / rel).read_bytes())
+    return {"damaged": len(damaged), "quarantined": len(quarantined), "reported_by_verify": len(in_place)}
+
+
+def check_store(store: Store, cfg: Config, scratch: Path, corrupted: list[dict] | None = None,
+                pristine: Path | None = None) -> dict:
     """Every promise of DESIGN.md §6 about what a store holds; returns counts for the report."""
     run = store.require_run()
     stats: dict = {}
+    stats["damage"] = check_damage(store, corrupted or [], pristine or scratch)
+    quarantined = set(store.list_quarantine())
 
     # 1. Every visible file is complete and readable.
     all_files = store.list_files("", recursive=True)  # never lists *.tmp-* (nor anything inside a *.tmp-* folder)
     root = store.path("").rstrip("/") + "/"
-    rels = [info.path[len(root):] for info in all_files]
+    rels = [info.path[len(root):] for info in all_files if not info.path[len(root):].startswith("quarantine/")]
     for rel in rels:
         if rel.endswith(".json"):
             json.loads(store.read_bytes(rel))
         elif rel.endswith(".jsonl"):
             list(iter_jsonl(store.read_bytes(rel)))
-    assert not store.list_quarantine(), f"files were quarantined: {store.list_quarantine()}"
+    assert set(store.list_quarantine()) == quarantined, "files were quarantined besides the damaged ones"
     stats["files"] = len(rels)
     stats["tmp_left_over"] = _count_tmp(store)
 
@@ -127,7 +161,7 @@ def check_store(store: Store, cfg: Config, scratch: Path) -> dict:
     parts = store.list_annotated_parts()
     part_samples: dict[tuple[str, str], set[str]] = {}
     for shard_id, teachers in parts.items():
-        assert shard_id in tables, f"annotated/{shard_id} has no rollout shard"
+        assert shard_id in tables, f"annotated parts of {shard_id} have no rollout shard"
         for teacher in teachers:
             rel = store.annotated_path(shard_id, teacher)
             table, meta = read_shard(store, rel, kind=ANNOTATED, run=run)

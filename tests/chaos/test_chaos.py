@@ -47,7 +47,7 @@ def check_and_replay(tmp_path, config, report: ChaosReport, env: dict) -> dict:
     scratch = scratch_dir()
     try:
         started = time.monotonic()
-        stats = check_store(store, cfg, scratch)
+        stats = check_store(store, cfg, scratch, corrupted=report.corrupted, pristine=tmp_path / "chaos" / "pristine")
         replay_store = replay(store, config, tmp_path / "replay", env=env)
         stats["max_weight_difference"] = compare_policies(store, replay_store, scratch)
         stats["check_seconds"] = round(time.monotonic() - started, 1)
@@ -56,6 +56,7 @@ def check_and_replay(tmp_path, config, report: ChaosReport, env: dict) -> dict:
     print(f"\n{report.summary()}\n  store: {stats}")
     assert stats["trained"] == cfg.train.max_steps * cfg.train.global_batch_samples
     assert report.latest_seen[-1] == cfg.train.max_steps // cfg.train.publish_every  # it only ever grew
+    assert report.corrupted, "no stored file was damaged"
     return stats
 
 

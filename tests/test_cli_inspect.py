@@ -83,3 +83,90 @@ def test_inspect_per_token_view_shows_teacher_student_gap(tmp_path):
     assert f"{-7.25 - student_lp:+.3f}" in out.stdout  # the gap of the first token
     bad = opd("inspect", str(store.local_path(store.rollout_path(shard))), "--teacher", "nobody")
     assert bad.returncode == 2 and "--teacher nobody: shard v000000-w00-000000 has parts from ['teacher']" in bad.stderr
+
+
+def _rollout_and_part(store: Store, shard: str, run: dict):
+    """A rollout shard and the teacher part that scores it (random ids inside the shipped tokenizer)."""
+    import numpy as np
+
+    from opd_cache.schema import ANNOTATED, ShardMeta, annotated_table, list_lengths, write_shard
+
+    table = write_random_rollout_shard(store, shard_id=shard, num_rows=3, max_response=6, seed=3, run=run)
+    lengths = list_lengths(table["response_ids"])
+    total = int(lengths.sum())
+    rng = np.random.default_rng(0)
+    part = annotated_table(sample_ids=table["sample_id"].to_pylist(), lengths=lengths,
+                           topk_ids=rng.integers(1, 32, size=(total, 4)), topk_logprobs=np.full((total, 4), -1.5),
+                           token_logprob=np.full(total, -2.0, dtype=np.float32))
+    write_shard(store, store.annotated_path(shard, "teacher"), part,
+                ShardMeta(kind=ANNOTATED, run_id=run["run_id"], tokenizer_fingerprint=run["tokenizer_fingerprint"],
+                          shard_id=shard, policy_version=0, top_k=4, teacher="teacher"))
+    return table, part
+
+
+def test_inspect_annotated_part_decodes_text_with_the_runs_tokenizer(tmp_path, tokenizer, tokenizer_path):
+    import numpy as np
+
+    store = Store(tmp_path / "store")
+    run = store.ensure_run(student=str(tokenizer_path), tokenizer_fingerprint="fp-test")  # the tokenizer's folder
+    shard = "v000000-w00-000000"
+    table, part = _rollout_and_part(store, shard, run)
+    row = int(np.argmax([len(r) for r in table["response_ids"].to_pylist()]))
+    response = tokenizer.decode(table["response_ids"][row].as_py(), skip_special_tokens=False)
+    prompt = tokenizer.decode(table["prompt_ids"][row].as_py(), skip_special_tokens=False)
+    part_path = str(store.local_path(store.annotated_path(shard, "teacher")))
+
+    out = opd("inspect", part_path, "--sample", str(row))
+    assert out.returncode == 0, out.stderr
+    assert f"prompt:   {prompt!r}" in out.stdout and f"response: {response!r}" in out.stdout
+    assert "per-token view, teacher 'teacher'" in out.stdout
+    first_alternative = tokenizer.decode([part["teacher_topk_ids"][row].as_py()[0][0]])
+    assert f"{first_alternative!r} 0.22" in out.stdout  # exp(-1.5): the teacher's top ids decoded too
+
+    # without its rollout shard, the part's own ids are decoded: the teacher's first choice at each position
+    store.delete(store.rollout_path(shard))
+    out = opd("inspect", part_path, "--sample", str(row))
+    assert out.returncode == 0, out.stderr
+    top1 = [ids[0] for ids in part["teacher_topk_ids"][row].as_py()]
+    assert f"teacher's top-1 token per position: {tokenizer.decode(top1, skip_special_tokens=False)!r}" in out.stdout
+
+
+def test_inspect_prints_every_metadata_key_of_the_shard(tmp_path):
+    from dataclasses import dataclass
+
+    from opd_cache.schema import ROLLOUT, ShardMeta, read_shard, write_shard
+
+    @dataclass
+    class MetaFromAFutureStage(ShardMeta):  # a key this version of inspect has never heard of
+        def to_metadata(self):
+            return {**super().to_metadata(), b"opd.some_new_key": b"its value"}
+
+    store = Store(tmp_path / "store")
+    run = store.ensure_run(student="student", tokenizer_fingerprint="fp-test")
+    write_random_rollout_shard(store, shard_id="v000000-w00-000000", num_rows=2, run=run)
+    table, _ = read_shard(store, store.rollout_path("v000000-w00-000000"))
+    rel = store.rollout_path("v000000-w00-000001")
+    write_shard(store, rel, table, MetaFromAFutureStage(kind=ROLLOUT, run_id=run["run_id"], tokenizer_fingerprint="fp-test",
+                                                        shard_id="v000000-w00-000001", policy_version=0))
+    out = opd("inspect", str(store.local_path(rel)))
+    assert out.returncode == 0, out.stderr
+    stored = {k.decode(): v.decode() for k, v in read_shard(store, rel)[0].schema.metadata.items()}
+    assert "opd.some_new_key" in stored
+    for key, value in stored.items():
+        assert any(line.split() == [key, *value.split()] for line in out.stdout.splitlines()), (key, out.stdout)
+    info = json.loads(opd("inspect", str(store.local_path(rel)), "--json").stdout)
+    assert info["schema_metadata"] == stored
+
+
+def test_inspect_of_a_directory_says_so(tmp_path):
+    store = Store(tmp_path / "store")
+    run = store.ensure_run(student="student", tokenizer_fingerprint="fp-test")
+    _rollout_and_part(store, "v000000-w00-000000", run)
+    folder = store.local_path(store.annotated_path("v000000-w00-000000", "teacher")).parent
+    out = opd("inspect", str(folder))
+    assert out.returncode == 2
+    assert f"error: {folder} is a directory, not an Arrow shard (it holds teacher.arrow: inspect one of them)" \
+        in " ".join(out.stderr.split())
+    out = opd("inspect", str(tmp_path))
+    assert out.returncode == 2 and f"{tmp_path} is a directory, not an Arrow shard" in " ".join(out.stderr.split())
+    assert "Traceback" not in out.stderr

@@ -1,4 +1,4 @@
-"""`opd inspect SHARD`: what is in a shard, for people (`--json` for machines)."""
+"""`opd inspect SHARD`: what is in a shard, for people (`--json` for machines); `opd inspect STORE`: the whole cache."""
 
 from __future__ import annotations
 
@@ -8,25 +8,31 @@ from typing import Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import typer
 
 from opd_cache.cli.common import app, console, user_errors
-from opd_cache.schema import ROLLOUT, list_lengths, read_shard
-from opd_cache.store import Store
+from opd_cache.schema import META_ENGINE, META_ENGINE_VERSION, META_MODEL_DTYPE, ROLLOUT, list_lengths, read_shard
+from opd_cache.store import Store, StoreError, parse_shard_id
 
 
 def open_shard(shard: str) -> tuple[Store, str, pa.Table, object]:
     """Open a shard given by path or URI, without run checks (inspect must work on any shard)."""
     parent, _, name = shard.rstrip("/").rpartition("/")
     store = Store(parent or ".")
+    if store.fs.get_file_info(store.path(name)).type == pafs.FileType.Directory:
+        inside = sorted(i.base_name for i in store.list_files(name) if i.base_name.endswith(".arrow"))
+        hint = f" (it holds {', '.join(inside)}: inspect one of them)" if inside else ""
+        raise ValueError(f"{shard} is a directory, not an Arrow shard{hint}")
     table, meta = read_shard(store, name)
     return store, name, table, meta
 
 
 def _find_store_root(shard: str) -> Store | None:
-    """rollouts/<id>.arrow and annotated/<id>/<teacher>.arrow live one or two levels below the store root."""
+    """rollouts/v<version>/<id>.arrow and annotated/v<version>/<id>/<teacher>.arrow (or the flat layout before
+    version partitions) live two to four levels below the store root."""
     path = Path(shard)
-    for root in (path.parent.parent, path.parent.parent.parent):
+    for root in (path.parent.parent, path.parent.parent.parent, path.parent.parent.parent.parent):
         if (root / "run.json").exists():
             return Store(root)
     return None
@@ -34,8 +40,10 @@ def _find_store_root(shard: str) -> Store | None:
 
 def describe_shard(shard: str) -> dict:
     _, _, table, meta = open_shard(shard)
-    info = {"path": shard, "metadata": {k: v for k, v in vars(meta).items()}, "rows": table.num_rows,
-            "columns": table.schema.names}
+    info = {"path": shard, "metadata": {k: v for k, v in vars(meta).items()},
+            # every key as stored, whichever stage added it (engine, dtype, checksum, the rollout cursor, ...)
+            "schema_metadata": schema_metadata(table),
+            "rows": table.num_rows, "columns": table.schema.names}
     if meta.kind == ROLLOUT:
         prompt_len, response_len = list_lengths(table["prompt_ids"]), list_lengths(table["response_ids"])
         info["prompt_tokens"] = int(prompt_len.sum())
@@ -49,22 +57,131 @@ def describe_shard(shard: str) -> dict:
     return info
 
 
+def schema_metadata(table: pa.Table) -> dict[str, str]:
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in (table.schema.metadata or {}).items()}
+
+
 def _decode(tokenizer, ids) -> str:
     if tokenizer is None:
         return " ".join(map(str, ids))
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def store_root(path: str) -> Store | None:
+    """The store whose root `path` is (a folder or prefix holding run.json), else None."""
+    store = Store(path)
+    if store.fs.get_file_info(store.root).type == pafs.FileType.File:
+        return None
+    return store if store.exists("run.json") else None
+
+
+def summarize_store(store: Store, on_file=None) -> dict:
+    """Teachers, k, rows, tokens and bytes per token of the annotations, policy versions, codec, engines.
+
+    Reads every shard once through the validated reader (so its cost grows with the store; `on_file(rel)`
+    reports each one). Bytes per token are the stored bytes of a teacher's parts over the tokens they score.
+    """
+    run = store.require_run()
+    shards = store.list_rollout_shards()
+    hint = store.legacy_layout_hint(shards)
+    if hint:
+        raise StoreError(hint)
+    parts = store.list_annotated_parts()
+    rollout = {"shards": len(shards), "rows": 0, "response_tokens": 0, "bytes": 0}
+    teachers: dict[str, dict] = {}
+    for shard in shards:
+        table, _ = read_shard(store, shard.path)
+        rollout["rows"] += table.num_rows
+        rollout["response_tokens"] += int(list_lengths(table["response_ids"]).sum())
+        rollout["bytes"] += max(shard.size, 0)
+        if on_file:
+            on_file(shard.path)
+        for teacher in sorted(parts.get(shard.shard_id, ())):
+            rel = store.annotated_path(shard.shard_id, teacher)
+            part, meta = read_shard(store, rel)
+            t = teachers.setdefault(teacher, {"parts": 0, "rows": 0, "tokens": 0, "bytes": 0, "decoded_bytes": 0,
+                                              "top_k": set(), "topk_logprob_dtype": set(), "engine": set(),
+                                              "policy_versions": set()})
+            lp = part.schema.field("teacher_topk_logprobs").type.value_type
+            t["parts"] += 1
+            t["rows"] += part.num_rows
+            t["tokens"] += int(list_lengths(part["teacher_token_logprob"]).sum())
+            t["bytes"] += store.fs.get_file_info(store.path(rel)).size
+            t["decoded_bytes"] += part.nbytes
+            t["top_k"].add(meta.top_k)
+            t["topk_logprob_dtype"].add(np.dtype(lp.value_type.to_pandas_dtype()).name)
+            t["policy_versions"].add(shard.policy_version)
+            stored = {k.decode(): v.decode() for k, v in (part.schema.metadata or {}).items()}
+            engine = " ".join(stored[key] for key in (META_ENGINE, META_ENGINE_VERSION, META_MODEL_DTYPE) if key in stored)
+            if engine:
+                t["engine"].add(engine)
+            if on_file:
+                on_file(rel)
+    for t in teachers.values():
+        # stored: the files as they are (with annotate.compression zstd/lz4, compressed; tiny parts are mostly
+        # metadata); decoded: the columns in memory. Arrow IPC does not record its codec in the schema, so the
+        # two side by side are what tells a compressed store from an uncompressed one.
+        t["bytes_per_token"] = t["bytes"] / t["tokens"] if t["tokens"] else None
+        t["decoded_bytes_per_token"] = t["decoded_bytes"] / t["tokens"] if t["tokens"] else None
+        for key in ("top_k", "topk_logprob_dtype", "engine", "policy_versions"):
+            t[key] = sorted(t[key])
+    return {"store": store.path(""), "run_id": run.get("run_id"), "student": run.get("student"),
+            "policy_versions": sorted({s.policy_version for s in shards}),
+            "published_versions": store.policy_versions(), "rollouts": rollout, "teachers": teachers}
+
+
+def print_store_summary(summary: dict) -> None:
+    console.print(f"[bold]{summary['store']}[/] (run {summary['run_id']}, student {summary['student']})",
+                  highlight=False, soft_wrap=True)
+    r = summary["rollouts"]
+    versions = summary["policy_versions"]
+    console.print(f"  rollouts: {r['shards']} shards, {r['rows']} rows, {r['response_tokens']} response tokens, "
+                  f"{r['bytes']} bytes", highlight=False)
+    console.print(f"  policy versions in rollouts: {_ranges(versions) or 'none'}; published: "
+                  f"{_ranges(summary['published_versions']) or 'none'}", highlight=False)
+    if not summary["teachers"]:
+        console.print("  no annotations yet (run `opd annotate`)", highlight=False)
+    for name, t in summary["teachers"].items():
+        bpt = "-" if t["bytes_per_token"] is None else \
+            f"{t['bytes_per_token']:.1f} bytes/token stored, {t['decoded_bytes_per_token']:.1f} decoded"
+        console.print(f"  teacher {name}: k={'/'.join(map(str, t['top_k']))}, {t['parts']} parts, {t['rows']} rows, "
+                      f"{t['tokens']} tokens, {t['bytes']} bytes ({bpt}), top-k log-probs "
+                      f"{'/'.join(t['topk_logprob_dtype'])}, versions "
+                      f"{_ranges(t['policy_versions'])}" + (f", engine {'; '.join(t['engine'])}" if t["engine"] else ""),
+                      highlight=False, soft_wrap=True)
+
+
+def _ranges(values: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(out)
+
+
 @app.command("inspect")
 @user_errors
 def inspect_command(
-    shard: str = typer.Argument(..., help="Path or URI of a rollout or annotated shard (.arrow)."),
+    shard: str = typer.Argument(..., help="Path or URI of a rollout or annotated shard (.arrow), or of a store "
+                                          "(a folder with run.json) for a summary of the whole cache."),
     sample: int = typer.Option(0, "--sample", help="Which row to show."),
     tokenizer_path: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer to decode ids (default: the run's student)."),
     teacher: Optional[str] = typer.Option(None, "--teacher", help="Teacher part to show per token (default: the first)."),
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
 ) -> None:
-    """Print a shard's metadata, row and token counts, and one sample."""
+    """Print a shard's metadata, row and token counts, and one sample; or, given a store, a summary of it."""
+    store_given = store_root(shard)
+    if store_given is not None:
+        summary = summarize_store(store_given)
+        if as_json:
+            print(json.dumps(summary))
+        else:
+            print_store_summary(summary)
+        return
     info = describe_shard(shard)
     _, _, table, meta = open_shard(shard)
     if table.num_rows and not 0 <= sample < table.num_rows:
@@ -90,12 +207,12 @@ def inspect_command(
             tokenizer = None
 
     console.print(f"[bold]{shard}[/]")
-    for key, value in info["metadata"].items():
-        console.print(f"  {key:22s} {value}")
-    console.print(f"  {'rows':22s} {info['rows']}")
+    for key, value in info["schema_metadata"].items():
+        console.print(f"  {key:28s} {value}", highlight=False)
+    console.print(f"  {'rows':28s} {info['rows']}")
     for key in ("prompt_tokens", "response_tokens", "response_tokens_mean", "finish_reasons"):
         if key in info:
-            console.print(f"  {key:22s} {info[key]}")
+            console.print(f"  {key:28s} {info[key]}")
     if row is None:
         return
     console.print(f"\n[bold]sample {sample}[/] ({row['sample_id']})")
@@ -111,14 +228,34 @@ def inspect_command(
     else:
         lp = np.array(row["teacher_token_logprob"], dtype=np.float64)
         console.print(f"  positions: {len(lp)}; teacher log-prob of sampled tokens: sum {lp.sum():.3f}")
-        if len(lp):
-            top = row["teacher_topk_ids"][0][:5]
-            console.print(f"  position 0 teacher top ids: {top}")
+        rollout_row = _rollout_row(store, meta.shard_id, row["sample_id"]) if store else None
+        if rollout_row is not None:  # the sampled text, and the per-token view against this part
+            console.print(f"  prompt:   {_decode(tokenizer, rollout_row['prompt_ids'])!r}", highlight=False)
+            console.print(f"  response: {_decode(tokenizer, rollout_row['response_ids'])!r}", highlight=False)
+            print_token_view(rollout_row, (meta.teacher or "teacher", table), tokenizer)
+        elif len(lp):  # no rollout shard beside the part: the teacher's own first choice at each position
+            top1 = [ids[0] for ids in row["teacher_topk_ids"]]
+            console.print(f"  teacher's top-1 token per position: {_decode(tokenizer, top1)!r}", highlight=False)
+
+
+def _rollout_row(store: Store, shard_id: str, sample_id: str) -> dict | None:
+    """The rollout row an annotated row scores (None when the rollout shard is not in this store)."""
+    # the partitioned layout, then the flat one of stores not yet migrated (inspect reads any store)
+    for rel in (store.rollout_path(shard_id), f"rollouts/{shard_id}.arrow"):
+        try:
+            table, _ = read_shard(store, rel)
+            break
+        except (FileNotFoundError, ValueError):
+            continue
+    else:
+        return None
+    ids = table["sample_id"].to_pylist()
+    return table.slice(ids.index(sample_id), 1).to_pylist()[0] if sample_id in ids else None
 
 
 def _teacher_part(store: Store, shard_id: str, teacher: str | None) -> tuple[str, dict] | None:
     """The annotated row of the same sample, if a teacher has annotated this shard."""
-    teachers = sorted(store.list_annotated_parts().get(shard_id, ()))
+    teachers = sorted(store.list_annotated_parts([parse_shard_id(shard_id)[0]]).get(shard_id, ()))  # its partition
     if teacher is not None and teacher not in teachers:
         raise ValueError(f"--teacher {teacher}: shard {shard_id} has parts from {teachers or 'no teacher'}")
     if not teachers:

@@ -43,7 +43,7 @@ from opd_cache.tracking import Tracker, check_trackers, train_metrics
 from opd_cache.store import Store
 from opd_cache.train.checkpoint import (
     CorruptStateError, clear_ledger_after, complete_states, drop_corrupt_state, load_state, publish_version, save_state,
-    write_consumed, write_progress,
+    samples_needed_total, write_consumed, write_progress,
 )
 from opd_cache.train.loader import BatchLoader, LoadedStep
 from opd_cache.train.objective import DistillationObjective, LossOptions
@@ -400,10 +400,8 @@ class Trainer:
         return torch.autocast(self.env.device.type, dtype=self.low_precision)
 
     def _write_progress(self, cursor: dict) -> None:
-        # what pacing needs (issue #14): the samples all max_steps steps train, unknown with a token budget
-        needed = self.cfg.max_steps * self.cfg.global_batch_samples if self.cfg.global_batch_samples else None
         write_progress(self.store, step=self.step, policy_version=self.version, cursor=cursor,
-                       extra={"samples_needed_total": needed})
+                       extra={"samples_needed_total": samples_needed_total(self.cfg)})  # for pacing
 
     def _progress_while_waiting(self, stream, then):
         """The stream's wait hook: publish rows it expired (or took) while the step waits for data.

@@ -1,0 +1,275 @@
+"""`opd export`: a store's annotations as ordinary dataset files, one table per teacher.
+
+The shards are already Arrow, but a shard alone is half a row: the rollout shard holds the tokens and the
+student's log-probs, each teacher's part holds that teacher's top-k. The export joins them, decodes the
+token ids to text with the run's tokenizer (loaded from a local folder, never a hub), and writes
+
+    <to>/<teacher>.parquet   (or <teacher>.arrow: an Arrow IPC stream)
+    <to>/export.json         what was exported: the store, its run id, rows and tokens per teacher
+
+which `datasets.load_dataset("parquet" | "arrow", data_files=...)`, polars and duckdb read as they are.
+It streams: one rollout shard (and its parts) is in memory at a time, written as one record batch / row
+group. The store is only read, through the same validated reader the trainer uses (`load_shard`).
+
+Columns are plain nested lists (no fixed-size lists, no float16) because that is what every reader
+understands; the shard's top-k log-prob dtype is kept in export.json (`topk_logprob_dtype`).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from opd_cache.schema import read_shard
+from opd_cache.store import TMP_MARKER, Store, StoreError
+from opd_cache.train.shard_data import load_shard, ragged_index
+
+FORMATS = ("parquet", "arrow")
+MANIFEST = "export.json"
+
+
+def export_schema() -> pa.Schema:
+    """One row per (sample, teacher): what a dataset user needs to train or analyse without opd_cache."""
+    return pa.schema([
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("shard_id", pa.string(), nullable=False),
+        pa.field("policy_version", pa.int32(), nullable=False),
+        pa.field("prompt_index", pa.int64(), nullable=False),
+        pa.field("sample_index", pa.int32(), nullable=False),
+        pa.field("data_source", pa.string()),
+        pa.field("ground_truth", pa.string()),
+        pa.field("finish_reason", pa.string()),
+        pa.field("prompt", pa.string()),
+        pa.field("response", pa.string()),
+        pa.field("prompt_ids", pa.list_(pa.int32())),
+        pa.field("response_ids", pa.list_(pa.int32())),
+        pa.field("behavior_logprobs", pa.list_(pa.float32())),  # the student's log-prob of each sampled token
+        pa.field("teacher_token_logprob", pa.list_(pa.float32())),  # the teacher's log-prob of each sampled token
+        pa.field("teacher_topk_ids", pa.list_(pa.list_(pa.int32()))),  # [tokens][k], best first
+        pa.field("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32()))),
+    ])
+
+
+@dataclass
+class TeacherTotals:
+    rows: int = 0
+    tokens: int = 0
+    top_k: int | None = None
+    topk_logprob_dtype: str | None = None
+    shards_without_part: int = 0  # rollout shards this teacher has not annotated (yet): not in the table
+
+
+@dataclass
+class ExportResult:
+    to: str
+    format: str
+    files: dict[str, str]  # teacher -> path of its table
+    teachers: dict[str, TeacherTotals] = field(default_factory=dict)
+    shards: int = 0
+    seconds: float = 0.0
+
+
+def _ragged(values: np.ndarray, offsets: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(np.ascontiguousarray(values),
+                                                                             type=value_type))
+
+
+def _ragged_rows(values: np.ndarray, offsets: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
+    """`list<list<value>>` from `[tokens, k]` values and per-row token offsets (no per-row Python work)."""
+    tokens, k = values.shape
+    inner = pa.ListArray.from_arrays(pa.array(np.arange(0, tokens * k + 1, k, dtype=np.int32)),
+                                     pa.array(np.ascontiguousarray(values).reshape(-1), type=value_type))
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), inner)
+
+
+def _select(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens of `rows` (flat) and their new offsets."""
+    lengths = offsets[rows + 1] - offsets[rows]
+    new_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=new_offsets[1:])
+    return values[ragged_index(offsets, rows)], new_offsets
+
+
+def teacher_batch(store: Store, run: dict, shard_id: str, teacher: str, tokenizer) -> pa.RecordBatch:
+    """The rows of one rollout shard that `teacher` annotated, joined with its part, as one record batch."""
+    data = load_shard(store, run, shard_id, [teacher])  # validated: run id, tokenizer, top-k, lengths, order
+    rows = np.nonzero(data.teacher_of_row == 0)[0].astype(np.int64)
+    # The rollout's string columns the trainer does not need (ShardData has no finish_reason / sample_index).
+    rollout, _ = read_shard(store, store.rollout_path(shard_id), run=run)
+    take = pa.array(rows)
+    prompt_ids, prompt_offsets = _select(data.prompt_values, data.prompt_offsets, rows)
+    response_ids, response_offsets = _select(data.response_values, data.response_offsets, rows)
+    behavior, _ = _select(data.behavior_logprobs, data.response_offsets, rows)
+    # A single part's teacher arrays hold exactly its rows' tokens, in rollout order.
+    top_k = data.topk_ids.shape[1]
+    prompt_lists = [prompt_ids[prompt_offsets[i]:prompt_offsets[i + 1]].tolist() for i in range(len(rows))]
+    response_lists = [response_ids[response_offsets[i]:response_offsets[i + 1]].tolist() for i in range(len(rows))]
+    if tokenizer is not None:
+        prompts = tokenizer.batch_decode(prompt_lists, skip_special_tokens=False)
+        responses = tokenizer.batch_decode(response_lists, skip_special_tokens=False)
+    else:
+        prompts = responses = [None] * len(rows)
+    columns = [
+        data.sample_ids.take(take),
+        pa.array([shard_id] * len(rows), pa.string()),
+        pa.array(np.full(len(rows), data.policy_version, dtype=np.int32)),
+        pa.array(data.prompt_index[rows]),
+        rollout["sample_index"].take(take).combine_chunks(),
+        data.data_source.take(take),
+        data.ground_truth.take(take),
+        rollout["finish_reason"].take(take).combine_chunks(),
+        pa.array(prompts, pa.string()),
+        pa.array(responses, pa.string()),
+        _ragged(prompt_ids, prompt_offsets, pa.int32()),
+        _ragged(response_ids, response_offsets, pa.int32()),
+        _ragged(behavior, response_offsets, pa.float32()),
+        _ragged(data.token_logprob.astype(np.float32, copy=False), response_offsets, pa.float32()),
+        _ragged_rows(data.topk_ids.reshape(-1, top_k), response_offsets, pa.int32()),
+        _ragged_rows(data.topk_logprobs.astype(np.float32, copy=False).reshape(-1, top_k), response_offsets,
+                     pa.float32()),
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=export_schema())
+
+
+def resolve_tokenizer(run: dict, tokenizer_path: str | None, store: Store):
+    """The run's tokenizer from a local folder (`--tokenizer`, else run.json `student`); never a hub download."""
+    from opd_cache.tokenizer import load_tokenizer
+
+    path = tokenizer_path or run.get("student")
+    if not path or not Path(path).is_dir():
+        raise ValueError(f"cannot decode text: {store.path('run.json')} names the student {path!r}, which is not a "
+                         f"local folder; pass --tokenizer DIR (the run's tokenizer) or --no-text")
+    return load_tokenizer(path)
+
+
+class _Writer:
+    """One teacher's output table, written to a temporary name and moved into place when complete."""
+
+    def __init__(self, fs: pafs.FileSystem, final: str, fmt: str, local: bool):
+        self.fs, self.final, self.fmt, self.local = fs, final, fmt, local
+        # local: write aside then rename (a reader never sees half a file); object stores: an upload is
+        # invisible until complete, so the final key is written directly
+        self.path = f"{final}{TMP_MARKER}{secrets.token_hex(6)}" if local else final
+        self.stream = fs.open_output_stream(self.path)
+        schema = export_schema()
+        self.writer = pq.ParquetWriter(self.stream, schema, compression="zstd") if fmt == "parquet" \
+            else pa.ipc.new_stream(self.stream, schema)
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        if self.fmt == "parquet":  # one row group per shard
+            self.writer.write_batch(batch, row_group_size=max(batch.num_rows, 1))
+        else:
+            self.writer.write_batch(batch)
+
+    def close(self) -> None:
+        self.writer.close()
+        self.stream.close()
+        if self.local:
+            self.fs.move(self.path, self.final)
+
+    def abort(self) -> None:
+        try:
+            self.writer.close()
+            self.stream.close()
+        finally:
+            if self.local:
+                try:
+                    self.fs.delete_file(self.path)
+                except FileNotFoundError:
+                    pass
+
+
+def prepare_destination(to: str, overwrite: bool) -> Store:
+    """The output folder: refuse a non-empty one without --overwrite, and with it anything but an old export."""
+    out = Store(to)
+    if out.fs.get_file_info(out.root).type == pafs.FileType.File:
+        raise ValueError(f"--to {to} is a file, not a folder")
+    existing = out.fs.get_file_info(pafs.FileSelector(out.root, allow_not_found=True, recursive=False))
+    if existing:
+        if not overwrite:
+            raise ValueError(f"--to {to} is not empty ({len(existing)} entries): choose a new folder or pass --overwrite")
+        if not out.exists(MANIFEST):
+            raise ValueError(f"--to {to} is not empty and holds no {MANIFEST}: --overwrite only replaces an earlier "
+                             f"`opd export`; choose a new folder")
+        out.fs.delete_dir_contents(out.root)
+    elif out.is_local:
+        Path(out.root).mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def export_store(store: Store, to: str, *, fmt: str = "parquet", overwrite: bool = False,
+                 tokenizer_path: str | None = None, text: bool = True,
+                 teachers: list[str] | None = None,
+                 on_shard: Callable[[int, int, str], None] | None = None) -> ExportResult:
+    """Write one table per teacher under `to`; `on_shard(done, total, shard_id)` reports progress."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+    run = store.require_run()
+    shards = store.list_rollout_shards()
+    hint = store.legacy_layout_hint(shards)
+    if hint:
+        raise StoreError(hint)
+    parts = store.list_annotated_parts()
+    found = sorted({t for shard in shards for t in parts.get(shard.shard_id, ())})
+    if not found:
+        raise ValueError(f"{store.path('')} has no annotated parts ({len(shards)} rollout shards, none annotated): "
+                         f"run `opd annotate` on it first")
+    if teachers:
+        unknown = sorted(set(teachers) - set(found))
+        if unknown:
+            raise ValueError(f"--teacher {', '.join(unknown)}: the store has annotations from {', '.join(found)}")
+        found = sorted(set(teachers))
+    tokenizer = resolve_tokenizer(run, tokenizer_path, store) if text else None
+    out = prepare_destination(to, overwrite)  # only after every check on the store: a refusal writes nothing
+
+    start = time.monotonic()
+    result = ExportResult(to=out.path(""), format=fmt,
+                          files={t: out.path(f"{t}.{fmt}") for t in found},
+                          teachers={t: TeacherTotals() for t in found})
+    writers: dict[str, _Writer] = {}
+    try:
+        for t in found:
+            writers[t] = _Writer(out.fs, out.path(f"{t}.{fmt}"), fmt, out.is_local)
+        for done, shard in enumerate(shards):
+            for t in found:
+                if t not in parts.get(shard.shard_id, ()):
+                    result.teachers[t].shards_without_part += 1
+                    continue
+                batch = teacher_batch(store, run, shard.shard_id, t, tokenizer)
+                if batch.num_rows:  # routing can leave a teacher's part of a shard empty
+                    writers[t].write(batch)
+                totals = result.teachers[t]
+                totals.rows += batch.num_rows
+                totals.tokens += int(pc.sum(pc.list_value_length(batch.column("response_ids"))).as_py() or 0)
+                if totals.top_k is None:
+                    part, _ = read_shard(store, store.annotated_path(shard.shard_id, t), run=run)
+                    lp = part.schema.field("teacher_topk_logprobs").type.value_type
+                    totals.top_k, totals.topk_logprob_dtype = lp.list_size, np.dtype(lp.value_type.to_pandas_dtype()).name
+            result.shards = done + 1
+            if on_shard is not None:
+                on_shard(done + 1, len(shards), shard.shard_id)
+        for w in writers.values():
+            w.close()
+    except BaseException:
+        for w in writers.values():
+            try:
+                w.abort()
+            except Exception:
+                pass
+        raise
+    result.seconds = time.monotonic() - start
+    manifest = {"store": store.uri, "run_id": run.get("run_id"), "format": fmt, "text_decoded": text,
+                "tokenizer": (tokenizer_path or run.get("student")) if text else None,
+                "shards": result.shards,
+                "teachers": {t: {"file": f"{t}.{fmt}", **vars(v)} for t, v in result.teachers.items()}}
+    out.write_json(MANIFEST, manifest)  # last: a folder with export.json holds a complete export
+    return result

@@ -1,0 +1,281 @@
+"""`opd replay`: train a new student on the annotations of existing stores, read in place.
+
+A replay is a training run without rollout or teacher: its data are the annotated shards of one or more
+source stores (`--from`), which it only reads (through the trainer's validated `ShardCache`), never writes,
+quarantines or annotates. Everything the run writes — run.json, policy versions, resume states, the
+consumed ledger, metrics — goes to its own store (`--store`), exactly as `opd train` writes them.
+
+It is off-policy for the new student, so the staleness bound does not apply: every selected row is used.
+The data are `epochs` passes over the selected rows; each pass visits the shards in an order shuffled with
+(seed, epoch) and the rows of a shard in an order shuffled with (seed, epoch, shard), or in store order with
+shuffle off. Selection: a policy-version range, teachers (their parts only), data sources.
+
+Exactly once per epoch: the stream's cursor (epoch, position in that epoch's shard order, rows of the
+current shard handed out) is saved in every resume state with the step it belongs to, and the order is a
+pure function of the seed, so a killed replay resumed from its last state hands out the same rows after it;
+the trainer's consumed ledger (train/consumed/step-N.jsonl) then holds each epoch's rows once, in order.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from opd_cache.store import ShardInfo, Store, StoreError
+from opd_cache.train.shard_data import ShardCache, ShardData, required_teachers
+from opd_cache.train.stream import GlobalBatch, StreamCursor, StreamEnd
+from opd_cache.train.trainer import Trainer
+
+
+@dataclass
+class ReplaySpec:
+    """What to replay: recorded in the replay store's run.json, so a resume with other choices is refused."""
+
+    sources: list[str]
+    epochs: int = 1
+    seed: int = 0
+    shuffle: bool = True
+    min_version: int | None = None
+    max_version: int | None = None
+    teachers: list[str] | None = None  # None: the teachers each source's run requires
+    data_sources: list[str] | None = None  # None: every row
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Source:
+    store: Store
+    run: dict
+    teachers: list[str]
+    shards: list[ShardInfo] = field(default_factory=list)  # annotated by every teacher, inside the version range
+
+
+def open_sources(spec: ReplaySpec) -> list[Source]:
+    """Each `--from` store with its selected shards; one-line errors for what cannot be replayed."""
+    if not spec.sources:
+        raise ValueError("opd replay needs at least one --from STORE")
+    if spec.epochs < 1:
+        raise ValueError(f"--epochs {spec.epochs}: must be >= 1")
+    sources = []
+    for uri in spec.sources:
+        store = Store(uri)
+        run = store.require_run()
+        shards = store.list_rollout_shards()
+        hint = store.legacy_layout_hint(shards)
+        if hint:
+            raise StoreError(hint)
+        parts = store.list_annotated_parts()
+        teachers = required_teachers(run)
+        if spec.teachers:
+            present = set(run.get("teachers") or {}) | {t for names in parts.values() for t in names}
+            missing = sorted(set(spec.teachers) - present)
+            if len(missing) == len(set(spec.teachers)):
+                raise ValueError(f"--teacher {', '.join(spec.teachers)}: {store.path('')} has annotations from "
+                                 f"{', '.join(sorted(present)) or 'no teacher'}")
+            teachers = sorted(set(spec.teachers) & present)
+        # a shard trains once every selected teacher has scored it (the trainer's rule, shard_data.py)
+        selected = [s for s in shards
+                    if teachers and set(teachers) <= parts.get(s.shard_id, set())
+                    and (spec.min_version is None or s.policy_version >= spec.min_version)
+                    and (spec.max_version is None or s.policy_version <= spec.max_version)]
+        if not selected:
+            annotated = sum(1 for s in shards if s.shard_id in parts)
+            hint = "run `opd annotate` on it first" if not annotated else "widen --min-version/--max-version/--teacher"
+            raise ValueError(f"--from {uri}: no annotated shards to replay ({len(shards)} rollout shards, "
+                             f"{annotated} annotated, none selected by the version range and teachers): {hint}")
+        sources.append(Source(store, run, teachers, selected))
+    first = sources[0]
+    for other in sources[1:]:
+        for key in ("tokenizer_fingerprint", "top_k"):
+            if other.run.get(key) != first.run.get(key):
+                raise ValueError(f"--from {other.store.uri}: {key} is {other.run.get(key)!r}, but "
+                                 f"{first.store.uri} has {first.run.get(key)!r}; replay sources must share one "
+                                 f"tokenizer and top-k")
+    return sources
+
+
+def prepare_replay_store(store: Store, spec: ReplaySpec, sources: list[Source], student: str | None) -> dict:
+    """Create (or check, on resume) the replay store's run.json before the trainer opens it."""
+    source_roots = {s.store.path("") for s in sources}
+    if store.path("") in source_roots:
+        raise ValueError(f"--store {store.uri} is one of the --from stores: a replay writes to a new store and only "
+                         f"reads its sources")
+    run = store.read_run()
+    if run is not None and "replay" not in run:
+        raise ValueError(f"--store {store.uri} holds a run that is not a replay ({store.path('run.json')}); "
+                         f"use a new folder")
+    first = sources[0].run
+    teachers = {}
+    for s in sources:
+        teachers.update({t: (s.run.get("teachers") or {}).get(t, s.store.uri) for t in s.teachers})
+    return store.ensure_run(  # replay first: a resume with another selection is refused naming it
+        replay={**spec.to_dict(), "source_run_ids": [s.run.get("run_id") for s in sources]},
+        student=student or first.get("student"),
+        tokenizer_fingerprint=first.get("tokenizer_fingerprint"), top_k=first.get("top_k"),
+        vocab_size=first.get("vocab_size"), teachers=teachers,
+    )
+
+
+class ReplayCache:
+    """The ShardCaches of the sources behind one `get(key)`: keys are `<source index>:<shard id>`.
+
+    Shard ids repeat across stores (every run starts at v000000-w00-000000), so the key names its source.
+    """
+
+    def __init__(self, sources: list[Source]):
+        self.caches = [ShardCache(s.store, s.run, s.teachers) for s in sources]
+        self.teachers = sorted({t for s in sources for t in s.teachers})
+
+    def get(self, key: str) -> ShardData:
+        index, _, shard_id = key.partition(":")
+        return self.caches[int(index)].get(shard_id)
+
+    def refresh_run(self) -> None:  # the trainer's loader calls it when no teacher is known: never for a replay
+        pass
+
+
+class ReplayStream:
+    """Global batches from `epochs` passes over the selected rows. Runs on rank 0 only (in the loader thread)."""
+
+    def __init__(self, sources: list[Source], cache: ReplayCache, spec: ReplaySpec, *, batch_samples: int | None,
+                 batch_tokens: int | None, cursor: dict | None = None):
+        self.cache, self.spec = cache, spec
+        self.batch_samples, self.batch_tokens = batch_samples, batch_tokens
+        self.keys = [f"{i}:{s.shard_id}" for i, source in enumerate(sources) for s in source.shards]
+        # the trainer's counters (StreamCursor's fields) plus where this replay is
+        self.cursor = {**StreamCursor().to_dict(), "epoch": 0, "position": 0, "current_rows": 0, **(cursor or {})}
+        self.on_event = lambda message: None
+        self.on_wait = None
+        self._orders: dict[int, list[str]] = {}
+
+    def order(self, epoch: int) -> list[str]:
+        """The shards of `epoch`, in the order they are read."""
+        if epoch not in self._orders:
+            keys = list(self.keys)
+            if self.spec.shuffle:
+                keys = [keys[i] for i in np.random.default_rng([self.spec.seed, epoch]).permutation(len(keys))]
+            self._orders = {epoch: keys}  # one epoch at a time is all the stream looks at
+        return self._orders[epoch]
+
+    def rows(self, key: str, data: ShardData, epoch: int) -> np.ndarray:
+        """The selected rows of a shard (routed to a selected teacher, of a selected data source), in read order."""
+        keep = data.teacher_of_row >= 0
+        if self.spec.data_sources:
+            keep &= pc.fill_null(pc.is_in(data.data_source, value_set=pa.array(self.spec.data_sources, pa.string())),
+                                 False).to_numpy(zero_copy_only=False)
+        rows = np.nonzero(keep)[0].astype(np.int64)
+        if self.spec.shuffle:
+            rng = np.random.default_rng([self.spec.seed, epoch, zlib.crc32(key.encode())])
+            rows = rows[rng.permutation(len(rows))]
+        return rows
+
+    def next_batch(self, step: int, version: int) -> GlobalBatch | StreamEnd:
+        c = self.cursor
+        parts: list[tuple[str, np.ndarray, ShardData]] = []
+        taken_rows = taken_tokens = 0
+        while c["epoch"] < self.spec.epochs:
+            order = self.order(c["epoch"])
+            if c["position"] >= len(order):
+                c["epoch"], c["position"], c["current_rows"] = c["epoch"] + 1, 0, 0
+                continue
+            key = order[c["position"]]
+            data = self.cache.get(key)
+            selected = self.rows(key, data, c["epoch"])
+            remaining = selected[c["current_rows"]:]
+            if self.batch_samples is not None:
+                rows = remaining[: self.batch_samples - taken_rows]
+            else:
+                cum = np.cumsum(data.prompt_lengths[remaining] + data.response_lengths[remaining])
+                fits = int(np.searchsorted(cum, self.batch_tokens - taken_tokens, side="right"))
+                rows = remaining[: max(fits, 1 if taken_rows == 0 else 0)]  # one over-long row still trains, alone
+            if len(rows):
+                parts.append((key, rows, data))
+                taken_rows += len(rows)
+                taken_tokens += int((data.prompt_lengths[rows] + data.response_lengths[rows]).sum())
+            c["current"], c["current_rows"] = key, c["current_rows"] + len(rows)
+            if c["current_rows"] >= len(selected):
+                c["position"], c["current_rows"] = c["position"] + 1, 0
+            if self.batch_samples is not None:
+                full = taken_rows >= self.batch_samples
+            else:
+                full = len(rows) < len(remaining) or taken_tokens >= self.batch_tokens
+            if full:
+                break
+        c["trained_samples"] += taken_rows
+        if not taken_rows:
+            return StreamEnd(f"replayed {self.spec.epochs} epoch(s)", dict(c))
+        return self._assemble(step, version, parts)
+
+    def _assemble(self, step: int, version: int, parts: list) -> GlobalBatch:
+        sample_ids, teachers = [], []
+        for _, rows, data in parts:
+            sample_ids += data.sample_ids.take(pa.array(rows)).to_pylist()
+            teachers += list(np.asarray(data.teacher_names, dtype=object)[data.teacher_of_row[rows]])
+        return GlobalBatch(
+            step=step, version=version, shard_ids=[key for key, _, _ in parts],
+            row_shard=np.concatenate([np.full(len(rows), i, dtype=np.int32) for i, (_, rows, _) in enumerate(parts)]),
+            row_index=np.concatenate([rows for _, rows, _ in parts]),
+            prompt_lengths=np.concatenate([data.prompt_lengths[rows] for _, rows, data in parts]),
+            response_lengths=np.concatenate([data.response_lengths[rows] for _, rows, data in parts]),
+            row_version=np.concatenate([np.full(len(rows), data.policy_version, dtype=np.int32)
+                                        for _, rows, data in parts]),
+            sample_ids=sample_ids, teachers=teachers, cursor=dict(self.cursor),
+        )
+
+
+def steps_for_epochs(sources: list[Source], spec: ReplaySpec, batch_samples: int) -> int:
+    """Optimizer steps of `batch_samples` rows that every epoch of the selection needs (reads each shard once)."""
+    cache = ReplayCache(sources)
+    stream = ReplayStream(sources, cache, spec, batch_samples=batch_samples, batch_tokens=None)
+    rows = sum(len(stream.rows(key, cache.get(key), 0)) for key in stream.keys)
+    return max(1, -(-rows * spec.epochs // batch_samples))
+
+
+class ReplayTrainer(Trainer):
+    """`Trainer` with its data from the replay's sources instead of its own store's stream."""
+
+    def __init__(self, config, env, spec: ReplaySpec, sources: list[Source], console=None):
+        self.spec, self.sources = spec, sources
+        super().__init__(config, env, console=console)
+
+    def make_data(self):
+        cache = ReplayCache(self.sources)
+        stream = None
+        if self.env.rank == 0:
+            stream = ReplayStream(self.sources, cache, self.spec, batch_samples=self.cfg.global_batch_samples,
+                                  batch_tokens=self.cfg.global_batch_tokens, cursor=self.cursor)
+        return cache, stream
+
+    def _finish(self, stopped: str) -> None:
+        super()._finish(stopped)
+        if self.env.rank == 0 and stopped.startswith("replayed"):  # every epoch done: finished, like max_steps
+            self.store.mark_done(f"{stopped} at step {self.step}")
+
+
+def replay(config, spec: ReplaySpec, console=None, *, steps_from_epochs: bool = False):
+    """Check the sources, create the replay store's run.json, and train (single process or a torchrun rank).
+
+    `steps_from_epochs`: no step limit was given, so train.max_steps becomes what the epochs need.
+    """
+    from opd_cache.train.trainer import init_distributed
+
+    if config.train.support == "union":
+        raise ValueError("--support union is not available for replay yet: use --support teacher")
+    sources = open_sources(spec)
+    if steps_from_epochs and config.train.global_batch_samples is not None:
+        config.train.max_steps = steps_for_epochs(sources, spec, config.train.global_batch_samples)
+    store = Store(config.store.uri, s3_endpoint=config.store.s3_endpoint)
+    env = init_distributed(config.train.device)
+    try:
+        if env.rank == 0:
+            prepare_replay_store(store, spec, sources, config.train.student)
+        env.barrier()
+        return ReplayTrainer(config, env, spec, sources, console=console).run()
+    finally:
+        env.close()

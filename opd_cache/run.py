@@ -36,6 +36,7 @@ from opd_cache.config import Config
 from opd_cache.metrics import read_metrics
 from opd_cache.progress import Every, duration
 from opd_cache.store import Store
+from opd_cache.train.checkpoint import announce_demand
 
 
 @dataclass
@@ -255,6 +256,7 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("OMP_NUM_THREADS", str(cfg.run.threads_per_stage))
     env.setdefault("COLUMNS", "200")  # a log file has no width: rich would wrap the stages' lines at 80 columns
+    announce_demand(store, cfg.train)  # rollout paces on the trainer's demand before the trainer starts
     # Rollout creates run.json (run id, tokenizer); the other stages validate against it, so they start
     # once it exists. Until then only the rollout workers run.
     for stage in stages:

@@ -153,6 +153,7 @@ class Trainer:
         self.config, self.cfg, self.env = config, config.train, env
         self.console = console if env.rank == 0 else None
         self.metrics = self.tracker = None  # rank 0 opens them when training starts
+        self._progress_counts = None  # (trained, unrouted, expired) of the last train/progress.json written
         cfg = self.cfg
         self.store = Store(config.store.uri, s3_endpoint=config.store.s3_endpoint)
         run = self.store.require_run()
@@ -279,7 +280,6 @@ class Trainer:
             self.metrics = MetricsLog(store, "train", "0")
             # records of steps after the resumed state are logged again by this run
             self.metrics.rewrite(lambda record: record.get("step", 0) <= self.step)
-            self._write_progress(self.cursor)  # rollout and annotate pace on its demand from the start
             self.tracker = Tracker(cfg.report_to, store=store, run_id=self.run_manifest["run_id"], job="train",
                                    config=self.config.model_dump(mode="json")) if cfg.report_to else None
 
@@ -402,6 +402,7 @@ class Trainer:
     def _write_progress(self, cursor: dict) -> None:
         write_progress(self.store, step=self.step, policy_version=self.version, cursor=cursor,
                        extra={"samples_needed_total": samples_needed_total(self.cfg)})  # for pacing
+        self._progress_counts = (cursor["trained_samples"], cursor["unrouted_samples"], cursor["expired_samples"])
 
     def _progress_while_waiting(self, stream, then):
         """The stream's wait hook: publish rows it expired (or took) while the step waits for data.
@@ -409,15 +410,12 @@ class Trainer:
         Rollout and annotate stop once the unconsumed rows cover the remaining demand; rows that expired
         during this wait would otherwise count as coverage until the step ends, and the step waits for them.
         """
-        published = None
-
         def on_wait() -> None:
-            nonlocal published
             cursor = stream.cursor.to_dict()
             counts = (cursor["trained_samples"], cursor["unrouted_samples"], cursor["expired_samples"])
-            if counts != published:
+            # also after a step's write of an older cursor (the stream runs ahead: prefetched batches)
+            if counts != self._progress_counts:
                 self._write_progress(cursor)
-                published = counts
             if then is not None:
                 then()
         return on_wait

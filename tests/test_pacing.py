@@ -1,0 +1,174 @@
+"""Demand-aware pacing (issue #14): rollout and annotate stop once the trainer's remaining steps are covered.
+
+The trainer publishes `samples_needed_total` (max_steps x global_batch_samples) in train/progress.json;
+rollout samples, and annotate scores, only while the usable rows published so far fall short of it. A tiny
+`opd run` therefore ends with generated / trained and scored / trained within 5% (the design's bound is
+one batch of whole prompts per rollout worker: n - 1 samples, here 0).
+
+    python -m tests.test_pacing    # one tiny run, its overshoot printed
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from opd_cache.rollout import BacklogGauge, count_rows
+from opd_cache.store import Store
+from tests.conftest import write_random_rollout_shard
+from tests.test_trainer import student_path, teacher  # noqa: F401  (fixtures)
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS, BATCH, N = 6, 8, 4
+
+
+def tiny_run_config(tmp_path: Path) -> Path:
+    """A run like tests/test_run.py's, without the evaluator; a lead (max_buffer_samples) of the whole run."""
+    config = {
+        "store": {"uri": str(tmp_path / "store")},
+        "rollout": {"student": str(REPO / "data/models/student"),
+                    "prompts": str(REPO / "data/arithmetic/train.parquet"), "n": N, "batch_prompts": 2, "flush_rows": BATCH, "max_buffer_samples": STEPS * BATCH,
+                    "sampling": {"max_new_tokens": 8}},
+        "annotate": {"teacher": str(REPO / "data/models/teacher"), "top_k": 4},
+        "train": {"max_steps": STEPS, "global_batch_samples": BATCH, "lr": 1e-3, "publish_every": 2,
+                  "save_every": 3, "max_staleness": 2},
+        "run": {"evaluate": False},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def overshoot(store: Store) -> dict:
+    """Samples generated, scored and trained in a finished run, and the two ratios."""
+    generated = sum(count_rows(store, s.path) for s in store.list_rollout_shards())
+    scored = sum(count_rows(store, store.annotated_path(shard_id, teacher))
+                 for shard_id, teachers in store.list_annotated_parts().items() for teacher in teachers)
+    trained = store.read_progress()["trained_samples"]
+    return {"generated": generated, "scored": scored, "trained": trained,
+            "generated_per_trained": generated / trained, "scored_per_trained": scored / trained}
+
+
+def run_tiny(tmp_path: Path) -> dict:
+    cmd = [sys.executable, "-m", "opd_cache.cli", "run", "--config", str(tiny_run_config(tmp_path))]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return overshoot(Store(tmp_path / "store"))
+
+
+def test_a_tiny_run_generates_and_scores_at_most_five_percent_more_than_it_trains(tmp_path):
+    result = run_tiny(tmp_path)
+    assert result["trained"] == STEPS * BATCH
+    assert result["generated_per_trained"] <= 1.05, result
+    assert result["scored_per_trained"] <= 1.05, result
+    progress = Store(tmp_path / "store").read_progress()
+    assert progress["samples_needed_total"] == STEPS * BATCH
+
+
+# ------------------------------------------------------------------ the gauge's arithmetic, without models
+def publish(store: Store, *shards: tuple[str, int]) -> None:
+    run = store.ensure_run(student="student", tokenizer_fingerprint="fp-test")
+    for shard_id, rows in shards:
+        write_random_rollout_shard(store, shard_id=shard_id, num_rows=rows, run=run)
+
+
+def test_demand_counts_every_workers_rows_and_ignores_consumed_and_expired_ones(local_store):
+    publish(local_store, ("v000000-w00-000000", 8), ("v000000-w01-000000", 8))
+    gauge = BacklogGauge(local_store)
+    assert gauge.backlog() == 16 and gauge.demand is None  # no trainer progress yet: no demand, no pacing
+    local_store.write_progress({"samples_needed_total": 40, "trained_samples": 0, "consumed_samples": 0,
+                                "expired_samples": 0})
+    gauge.backlog()
+    assert gauge.demand == 40 - 16  # both workers' shards cover 16 of the 40
+    # the trainer trained 8 and expired 8 (too stale): 16 rows are gone from the backlog, 32 still needed
+    local_store.write_progress({"samples_needed_total": 40, "trained_samples": 8, "consumed_samples": 8,
+                                "expired_samples": 8})
+    gauge.backlog()
+    assert gauge.demand == 32
+    publish(local_store, ("v000000-w01-000001", 32))
+    assert gauge.backlog() == 32 and gauge.demand == 0
+    local_store.write_progress({"samples_needed_total": None, "trained_samples": 8, "consumed_samples": 8,
+                                "expired_samples": 8})
+    gauge.backlog()
+    assert gauge.demand is None  # a token budget per step: the trainer cannot say how many samples it needs
+
+    # a damaged shard moved to quarantine/ is never trained: its rows stop counting as coverage
+    local_store.quarantine(local_store.rollout_path("v000000-w01-000001"), "damaged")
+    local_store.write_progress({"samples_needed_total": 40, "trained_samples": 8, "consumed_samples": 8,
+                                "expired_samples": 8})
+    gauge.backlog()
+    assert gauge.demand == 32
+
+
+def test_annotate_scores_only_what_the_remaining_steps_need_and_rescores_a_quarantined_part(
+        local_store, tokenizer, tiny_model_factory):
+    from opd_cache.annotate import annotate
+    from opd_cache.config import AnnotateConfig
+    from opd_cache.tokenizer import tokenizer_fingerprint
+
+    run = local_store.ensure_run(student=str(tiny_model_factory("student", seed=0)),
+                                 tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer))
+    for seq in range(5):
+        write_random_rollout_shard(local_store, shard_id=f"v000000-w00-{seq:06d}", num_rows=6,
+                                   vocab_size=len(tokenizer), seed=seq, run=run)
+    # the trainer trained 6 of the 18 its steps need: two more shards of 6 rows cover the rest
+    local_store.write_progress({"samples_needed_total": 18, "trained_samples": 6, "consumed_samples": 6,
+                                "expired_samples": 0})
+    cfg = AnnotateConfig(teacher=str(tiny_model_factory("teacher", seed=1)), top_k=4)
+    first = annotate(local_store, cfg, progress=False)
+    assert len(first.annotated) == 3, first.annotated  # the trained shard's part, and two more
+    parts = local_store.list_annotated_parts()
+    assert len(parts) == 3
+    local_store.quarantine(local_store.annotated_path(first.annotated[-1], "teacher"), "damaged")
+    again = annotate(local_store, cfg, progress=False)
+    assert again.annotated == [first.annotated[-1]]  # scored again: the trainer needs those rows
+    local_store.mark_done()
+    assert len(annotate(local_store, cfg, progress=False).annotated) == 2  # DONE: no demand, score the rest
+
+
+def test_rows_expiring_while_the_trainer_waits_stop_counting_as_coverage_during_the_wait(
+        tmp_path, student_path, tokenizer, teacher):
+    """Without this the run could end in a deadlock: rollout sees its stale rows as coverage, the trainer waits."""
+    import threading
+    import time
+
+    from opd_cache.store import make_shard_id
+    from opd_cache.train.synthetic import write_synthetic_shard
+    from opd_cache.train.trainer import train
+    from tests.test_trainer import K, config, make_store
+
+    store = make_store(tmp_path / "store", student_path, tokenizer, teacher, shards=2, rows=8)
+    errors = []
+
+    def run_trainer():
+        try:
+            train(config(store, max_steps=2, max_staleness=0, publish_every=1, follow=True, poll_seconds=0.05))
+        except BaseException as e:  # surfaced by the assertions below
+            errors.append(e)
+
+    trainer = threading.Thread(target=run_trainer)
+    trainer.start()
+    deadline = time.monotonic() + 60
+    # step 1 trained shard 0 at version 0; step 2 (version 1) expires shard 1 and waits for version-1 rows
+    while not (store.latest_version() == 1 and store.read_progress().get("expired_samples") == 8):
+        assert time.monotonic() < deadline and trainer.is_alive(), errors
+        time.sleep(0.05)
+    progress = store.read_progress()
+    assert progress["step"] == 1 and progress["samples_needed_total"] == 16 and not store.is_done()
+    gauge = BacklogGauge(store)
+    assert gauge.backlog() == 0 and gauge.demand == 8  # shard 1's rows are gone: 8 rows still to sample
+    write_synthetic_shard(store, store.require_run(), make_shard_id(1, "w00", 0), num_rows=8, vocab_size=len(tokenizer),
+                          top_k=K, seed=77, teachers={"teacher": teacher})
+    trainer.join(timeout=60)
+    assert not trainer.is_alive() and not errors, errors
+    assert store.is_done() and store.read_progress()["trained_samples"] == 16
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        print(run_tiny(Path(tmp)))

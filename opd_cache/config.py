@@ -93,6 +93,8 @@ class AnnotateConfig(Section):
     head_chunk_tokens: int | None = Field(None, ge=1)  # positions per output-layer chunk (None: 256 MiB of logits)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # vllm engine
     compression: Literal["none", "zstd", "lz4"] = "none"
+    # "packed": ids bit-packed at ceil(log2 V) bits, log-probs as 8-bit codes, tail mass exact (docs/annotate.md)
+    codec: Literal["none", "packed"] = "none"
     routing_key: str = "data_source"
     # multi-teacher routing: routing-key value -> teacher name. Without routing one teacher annotates
     # every row; with routing a row whose key is not listed goes to `default_teacher` (None: no teacher).

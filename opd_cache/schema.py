@@ -145,6 +145,8 @@ class ShardMeta:
     engine_version: str | None = None  # transformers / vllm version
     model_dtype: str | None = None  # the dtype the model's weights ran in
     schema_version: int = SCHEMA_VERSION
+    codec: str = "none"  # annotated parts: "none" (plain columns) | "packed" (opd_cache/codec.py)
+    codec_id_bits: int = 0  # packed: bits per top-k id
 
     def to_metadata(self) -> dict[bytes, bytes]:
         meta = {
@@ -165,6 +167,11 @@ class ShardMeta:
                            (META_MODEL_DTYPE, self.model_dtype)):
             if value is not None:
                 meta[key] = value
+        if self.codec != "none":
+            from opd_cache import codec
+
+            meta.update({codec.META_CODEC: self.codec, codec.META_CODEC_VERSION: str(codec.CODEC_VERSION),
+                         codec.META_ID_BITS: str(self.codec_id_bits)})
         return {k.encode(): v.encode() for k, v in meta.items()}
 
     @classmethod
@@ -175,6 +182,9 @@ class ShardMeta:
         version = int(meta.get(META_SCHEMA_VERSION, "-1"))
         if version != SCHEMA_VERSION:
             raise ShardError(f"{where}: schema version {version}, this opd_cache reads version {SCHEMA_VERSION}")
+        from opd_cache.codec import codec_of
+
+        codec, codec_id_bits = codec_of(meta, where)
         return cls(
             kind=meta[META_KIND],
             run_id=meta.get(META_RUN_ID, ""),
@@ -188,6 +198,8 @@ class ShardMeta:
             engine_version=meta.get(META_ENGINE_VERSION),
             model_dtype=meta.get(META_MODEL_DTYPE),
             schema_version=version,
+            codec=codec,
+            codec_id_bits=codec_id_bits,
         )
 
 
@@ -243,6 +255,10 @@ def read_shard(store, rel: str, *, kind: str | None = None, run: dict | None = N
                 f"{where}: written with tokenizer {meta.tokenizer_fingerprint!r}, this run uses {fp!r}"
             )
     validate_table(table, meta, where=where)
+    if meta.codec == "packed":  # every reader (trainer, export, inspect) gets the plain columns
+        from opd_cache.codec import decode_annotation
+
+        table = decode_annotation(table, meta.top_k, meta.codec_id_bits)
     return table, meta
 
 
@@ -253,6 +269,12 @@ def validate_table(table: pa.Table, meta: ShardMeta, where: str) -> None:
     elif meta.kind == ANNOTATED:
         if not meta.top_k:
             raise ShardError(f"{where}: annotated shard without '{META_TOP_K}' metadata")
+        if meta.codec == "packed":
+            from opd_cache.codec import PACKED_COLUMNS, check_packed
+
+            check_packed(table, meta.top_k, meta.codec_id_bits, where)
+            _check_same_lengths(table, "teacher_token_logprob", [*PACKED_COLUMNS, "teacher_support_logprobs"], where)
+            return
         lp_type = table.schema.field("teacher_topk_logprobs").type if "teacher_topk_logprobs" in table.schema.names else None
         dtype = "float16" if lp_type is not None and lp_type.value_type.value_type == pa.float16() else "float32"
         support_k = 0

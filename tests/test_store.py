@@ -49,7 +49,7 @@ def test_bad_shard_id_message():
 def test_small_files_round_trip_and_listing_ignores_tmp(store):
     store.write_json("train/progress.json", {"step": 3})
     assert store.read_progress() == {"step": 3}
-    store.write_bytes("rollouts/v000000-w00-000000.arrow.tmp-abc", b"partial")
+    store.write_bytes("rollouts/v000000/v000000-w00-000000.arrow.tmp-abc", b"partial")
     write_random_rollout_shard(store, shard_id="v000001-w00-000000")
     write_random_rollout_shard(store, shard_id="v000000-w01-000003")
     shards = store.list_rollout_shards()
@@ -98,10 +98,11 @@ def test_latest_pointing_at_missing_version_is_reported(store):
 
 def test_quarantine_moves_file_with_reason(store):
     write_random_rollout_shard(store, shard_id="v000000-w00-000000")
-    dest = store.quarantine("rollouts/v000000-w00-000000.arrow", "truncated")
-    assert not store.exists("rollouts/v000000-w00-000000.arrow")
+    dest = store.quarantine("rollouts/v000000/v000000-w00-000000.arrow", "truncated")
+    assert not store.exists("rollouts/v000000/v000000-w00-000000.arrow")
     assert store.exists(dest)
-    assert store.list_quarantine() == {"rollouts__v000000-w00-000000.arrow": "rollouts/v000000-w00-000000.arrow: truncated"}
+    assert store.list_quarantine() == {
+        "rollouts__v000000__v000000-w00-000000.arrow": "rollouts/v000000/v000000-w00-000000.arrow: truncated"}
     assert store.list_rollout_shards() == []
 
 
@@ -139,7 +140,7 @@ WRITER = textwrap.dedent(
         print("writing", flush=True)
         for _ in range(100000):  # far more than the parent lets it finish
             out.write(chunk)
-    store.write_atomic("rollouts/v000000-w00-000000.arrow", write)
+    store.write_atomic("rollouts/v000000/v000000-w00-000000.arrow", write)
     """
 )
 
@@ -161,7 +162,7 @@ def test_sigkill_mid_write_leaves_no_visible_file(backend, tmp_path, request):
     proc.wait()
 
     store = Store(uri, s3_endpoint=env.get("OPD_S3_ENDPOINT"))
-    assert not store.exists("rollouts/v000000-w00-000000.arrow")
+    assert not store.exists("rollouts/v000000/v000000-w00-000000.arrow")
     assert store.list_rollout_shards() == []
     # a later write of the same name succeeds and is complete
     write_random_rollout_shard(store, shard_id="v000000-w00-000000")
@@ -180,9 +181,10 @@ def test_stale_tmp_files_of_killed_writers_are_swept_fresh_ones_kept(tmp_path):
     write_random_rollout_shard(store, shard_id="v000000-w00-000000")
     root = tmp_path / "store"
     # what killed writers leave: a shard file, an annotated part, a policy folder, a resume-state folder
-    old = [root / "rollouts/v000000-w00-000001.arrow.tmp-0a1b2c", root / "annotated/v000000-w00-000000/t.arrow.tmp-3d4e",
+    old = [root / "rollouts/v000000/v000000-w00-000001.arrow.tmp-0a1b2c",
+           root / "annotated/v000000/v000000-w00-000000/t.arrow.tmp-3d4e",
            root / "policy/v000002.tmp-5f6a", root / "train/state/step-000010.tmp-save"]
-    fresh = root / "rollouts/v000000-w00-000002.arrow.tmp-7b8c"  # a writer still at work
+    fresh = root / "rollouts/v000000/v000000-w00-000002.arrow.tmp-7b8c"  # a writer still at work
     for path in old[:2] + [fresh]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"partial")

@@ -43,7 +43,7 @@ def write_synthetic_shard(store: Store, run: dict, shard_id: str, *, num_rows: i
                           logprob_dtype: str = "float32", ground_truth: list[str] | None = None,
                           group_size: int = 1, responses: list[np.ndarray] | None = None,
                           annotate: bool = True) -> dict:
-    """Write `rollouts/<shard_id>.arrow` and one annotated part per teacher; returns the row arrays.
+    """Write `rollouts/v<version>/<shard_id>.arrow` and one annotated part per teacher; returns the row arrays.
 
     `teachers`: {name: model or None (random annotation)}; default one random teacher "teacher".
     `routing`: data_source value -> teacher name (rows with other values go to no teacher).

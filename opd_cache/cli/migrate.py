@@ -1,0 +1,70 @@
+"""`opd migrate --store DIR`: move a store's shards from the flat layout into version partitions.
+
+Earlier opd_cache versions wrote `rollouts/<shard>.arrow` and `annotated/<shard>/<teacher>.arrow`; shards now
+live under their policy version (`rollouts/v000003/<shard>.arrow`, `annotated/v000003/<shard>/<teacher>.arrow`)
+so that a poll lists only the versions it can use. The stages refuse a flat store with a message naming this
+command. Run it once, with no stage running; it can be interrupted and run again (a file already in place is
+not copied twice, and the rollout shards move last, so the stages refuse the store until everything moved).
+"""
+
+from __future__ import annotations
+
+import os
+
+import typer
+
+from opd_cache.cli.common import app, console, user_errors
+
+
+def flat_layout_moves(store) -> list[tuple[str, str]]:
+    """(old, new) store-relative paths of every shard and part still in the flat layout; parts first."""
+    moves = []
+    prefix = store.path("annotated") + "/"
+    for info in store.list_files("annotated", recursive=True):
+        names = info.path[len(prefix):].split("/")
+        if len(names) == 2 and names[1].endswith(".arrow"):
+            try:
+                new = store.annotated_path(names[0], names[1][: -len(".arrow")])
+            except ValueError:
+                continue  # not a shard's part: left where it is
+            moves.append((f"annotated/{names[0]}/{names[1]}", new))
+    moves += [(s.path, store.rollout_path(s.shard_id)) for s in store.list_rollout_shards()
+              if s.path != store.rollout_path(s.shard_id)]
+    return moves
+
+
+def move_file(store, old: str, new: str) -> None:
+    """Local: one rename. Object stores: copy, then delete (a run cut short in between is finished by the next)."""
+    if store.is_local:
+        os.makedirs(os.path.dirname(store.path(new)), exist_ok=True)
+        os.replace(store.path(old), store.path(new))
+        return
+    if not store.exists(new):
+        store.fs.copy_file(store.path(old), store.path(new))
+    store.delete(old)
+
+
+@app.command("migrate")
+@user_errors
+def migrate_command(
+    store: str = typer.Option(..., "--store", help="Store directory or URI."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only say how many files would move."),
+) -> None:
+    """Move shards written in the flat layout of earlier versions into version partitions (once, stages stopped)."""
+    from opd_cache.store import Store
+
+    s = Store(store)
+    s.require_run()
+    moves = flat_layout_moves(s)
+    if dry_run or not moves:
+        console.print(f"{s.uri}: {len(moves)} files to move into version partitions" + ("" if moves else
+                      " (the store is already in the partitioned layout)"), highlight=False, soft_wrap=True)
+        return
+    for i, (old, new) in enumerate(moves, 1):
+        move_file(s, old, new)
+        if i % 1000 == 0 or i == len(moves):
+            console.print(f"moved {i}/{len(moves)} files", highlight=False, soft_wrap=True)
+    for leftover in s.list_dirs("annotated"):  # the emptied flat part folders (local stores; S3 has none)
+        if not s.list_files(f"annotated/{leftover}", recursive=True) and "-" in leftover:
+            s.delete_dir(f"annotated/{leftover}")
+    console.print(f"{s.uri}: moved {len(moves)} files into version partitions", highlight=False, soft_wrap=True)

@@ -164,9 +164,10 @@ def evaluate_store(store: Store, prompts_path: str, *, teacher_path: str | None,
     done_versions = {r["version"] for r in log.records()}
     engine = None
     results = []
+    versions = [0]
     while True:
         finished = store.is_done()  # read before listing: a version published before DONE is still seen
-        versions = [0] + store.policy_versions()
+        versions += store.policy_versions(after=versions[-1])  # only the new ones: no listing of policy/
         # every `every`-th version, and the final one once training is done
         todo = [v for v in versions if v not in done_versions and (v % every == 0 or (finished and v == versions[-1]))]
         for version in todo:

@@ -30,7 +30,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from opd_cache.schema import read_shard
-from opd_cache.store import TMP_MARKER, Store, StoreError
+from opd_cache.store import TMP_MARKER, Store
 from opd_cache.train.shard_data import load_shard, ragged_index
 
 FORMATS = ("parquet", "arrow")
@@ -214,11 +214,7 @@ def export_store(store: Store, to: str, *, fmt: str = "parquet", overwrite: bool
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
     run = store.require_run()
-    shards = store.list_rollout_shards()
-    hint = store.legacy_layout_hint(shards)
-    if hint:
-        raise StoreError(hint)
-    parts = store.list_annotated_parts()
+    shards, parts = store.list_dataset()
     found = sorted({t for shard in shards for t in parts.get(shard.shard_id, ())})
     if not found:
         raise ValueError(f"{store.path('')} has no annotated parts ({len(shards)} rollout shards, none annotated): "

@@ -35,7 +35,7 @@ from rich.table import Table
 from opd_cache.config import Config
 from opd_cache.metrics import read_metrics
 from opd_cache.progress import Every, duration
-from opd_cache.store import Store
+from opd_cache.store import ShardTally, Store
 from opd_cache.train.checkpoint import announce_demand
 
 
@@ -106,14 +106,16 @@ def stage_commands(cfg: Config, config_path: Path, logs: Path) -> list[StageProc
     return stages
 
 
-def read_run_state(store: Store, total_steps: int | None = None, started: float | None = None) -> dict:
+def read_run_state(store: Store, total_steps: int | None = None, started: float | None = None,
+                   tally: ShardTally | None = None) -> dict:
     """What the dashboard and the plain progress lines show, read from the store alone.
 
     `started` (wall-clock `time.time()` of the run's start) gives the elapsed time; the ETA comes from the
     trainer's step rate over its metrics records of this run (all of them when `started` is not given).
+    `tally` (kept across calls by `RunDisplay`) counts shards and parts with a window poll instead of two
+    full listings, so the dashboard's cost does not grow with the run's history.
     """
-    shards = store.list_rollout_shards()
-    parts = store.list_annotated_parts()
+    shards, parts = tally.poll() if tally is not None else (store.list_rollout_shards(), store.list_annotated_parts())
     progress = store.read_progress()
     metrics = read_metrics(store)
     train = metrics.get("train-0", [])
@@ -170,13 +172,13 @@ def stage_state(stage: StageProcess) -> str:
 
 
 def dashboard(store: Store, stages: list[StageProcess], total_steps: int | None = None,
-              started: float | None = None) -> Table:
+              started: float | None = None, tally: ShardTally | None = None) -> Table:
     """One table from the store alone: what each stage has done so far."""
     table = Table(title=f"opd run — {store.uri}", expand=False)
     for col in ("stage", "state", "done so far"):
         table.add_column(col)
     try:
-        state = read_run_state(store, total_steps, started)
+        state = read_run_state(store, total_steps, started, tally)
     except Exception as e:  # the dashboard must never take the run down
         table.add_row("store", "unreadable", str(e)[:80])
         return table
@@ -207,11 +209,11 @@ def dashboard(store: Store, stages: list[StageProcess], total_steps: int | None 
 
 
 def progress_line(store: Store, total_steps: int | None = None, started: float | None = None,
-                  stages: list[StageProcess] = ()) -> str:
+                  stages: list[StageProcess] = (), tally: ShardTally | None = None) -> str:
     """One plain line for output that is not a terminal: steps, samples, loss, latest evaluation, ETA,
     and the stages that crashed (restarting or failed)."""
     try:
-        state = read_run_state(store, total_steps, started)
+        state = read_run_state(store, total_steps, started, tally)
     except Exception as e:  # like the dashboard, never fatal
         return f"opd run: store unreadable ({str(e)[:80]})"
     last, progress = state["last_train"], state["progress"]
@@ -317,6 +319,7 @@ class RunDisplay:
     def __init__(self, store: Store, stages: list[StageProcess], total_steps: int, *, quiet: bool = False):
         self.store, self.stages, self.total_steps = store, stages, total_steps
         self.started = time.time()
+        self.tally = ShardTally(store)  # one window poll per refresh, not two listings of the whole store
         self.quiet = quiet
         self.live = None
         self.plain = Every() if not quiet and not sys.stdout.isatty() else None
@@ -329,19 +332,19 @@ class RunDisplay:
         return self
 
     def _table(self) -> Table:
-        return dashboard(self.store, self.stages, self.total_steps, self.started)
+        return dashboard(self.store, self.stages, self.total_steps, self.started, self.tally)
 
     def update(self) -> None:
         if self.live is not None:
             self.live.update(self._table(), refresh=True)
         elif self.plain is not None and self.plain.due():
-            print(progress_line(self.store, self.total_steps, self.started, self.stages), flush=True)
+            print(progress_line(self.store, self.total_steps, self.started, self.stages, self.tally), flush=True)
 
     def __exit__(self, *exc):
         if self.live is not None:
             return self.live.__exit__(*exc)
         if self.plain is not None:
-            print(progress_line(self.store, self.total_steps, self.started, self.stages), flush=True)
+            print(progress_line(self.store, self.total_steps, self.started, self.stages, self.tally), flush=True)
         return False
 
 

@@ -38,6 +38,7 @@ import os
 import re
 import secrets
 import shutil
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -453,6 +454,15 @@ class Store:
                 f"versions (rollouts/<shard>.arrow); run `opd migrate --store {self.uri}` once, "
                 f"with no stage running")
 
+    def list_dataset(self) -> tuple[list[ShardInfo], dict[str, set[str]]]:
+        """Every rollout shard and annotated part (full listings), for the readers of a whole store (export,
+        inspect, replay); a store still in the flat layout is refused with the `opd migrate` hint."""
+        shards = self.list_rollout_shards()
+        hint = self.legacy_layout_hint(shards)
+        if hint:
+            raise StoreError(hint)
+        return shards, self.list_annotated_parts()
+
     # ------------------------------------------------ checkpoint folder checksums
     def verify_folder(self, rel: str) -> list[FileProblem] | None:
         """Check a checkpoint folder (policy version, resume state) against its `_CHECKSUMS.json`.
@@ -545,8 +555,33 @@ class Store:
         return sorted(versions)
 
     # ------------------------------------------------------ trainer status
-    def read_progress(self) -> dict:
-        return self.read_json("train/progress.json", default={}) or {}
+    def read_progress(self, attempts: int = 3) -> dict:
+        """train/progress.json, or {} while it is not written yet, or when it cannot be parsed.
+
+        The trainer overwrites this file every step. On object stores pyarrow reads a file with a HEAD (its
+        size) then a ranged GET, so a read that races an overwrite gets a torn mix of two versions: the new
+        content cut to the old size, or padded to it with uninitialised bytes ("Extra data", a decode error).
+        Such a read is transient, so it is retried; a file still unparseable (damaged on disk) counts as not
+        yet written, with a warning, since the trainer rewrites it on its next step.
+        """
+        rel = "train/progress.json"
+        for attempt in range(attempts):
+            try:
+                data = self.read_bytes(rel)
+            except FileNotFoundError:
+                return {}
+            try:
+                progress = json.loads(data)
+                if isinstance(progress, dict):
+                    return progress
+                problem = f"holds a {type(progress).__name__}, not an object"
+            except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError on undecodable bytes
+                problem = f"is not valid JSON: {e}"
+            if attempt + 1 < attempts:
+                time.sleep(0.05 * (attempt + 1))
+        print(f"warning: {self.path(rel)} {problem}; treating it as not yet written (the trainer rewrites it "
+              f"every step)", file=sys.stderr)
+        return {}
 
     def write_progress(self, progress: dict) -> None:
         self.write_json("train/progress.json", progress)

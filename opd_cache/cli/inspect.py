@@ -13,7 +13,7 @@ import typer
 
 from opd_cache.cli.common import app, console, user_errors
 from opd_cache.schema import META_ENGINE, META_ENGINE_VERSION, META_MODEL_DTYPE, ROLLOUT, list_lengths, read_shard
-from opd_cache.store import Store, StoreError, parse_shard_id
+from opd_cache.store import Store, parse_shard_id
 
 
 def open_shard(shard: str) -> tuple[Store, str, pa.Table, object]:
@@ -82,11 +82,7 @@ def summarize_store(store: Store, on_file=None) -> dict:
     reports each one). Bytes per token are the stored bytes of a teacher's parts over the tokens they score.
     """
     run = store.require_run()
-    shards = store.list_rollout_shards()
-    hint = store.legacy_layout_hint(shards)
-    if hint:
-        raise StoreError(hint)
-    parts = store.list_annotated_parts()
+    shards, parts = store.list_dataset()
     rollout = {"shards": len(shards), "rows": 0, "response_tokens": 0, "bytes": 0}
     teachers: dict[str, dict] = {}
     for shard in shards:

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from opd_cache.store import ShardInfo, Store, StoreError
+from opd_cache.store import ShardInfo, Store
 from opd_cache.train.shard_data import ShardCache, ShardData, required_teachers
 from opd_cache.train.stream import GlobalBatch, StreamCursor, StreamEnd
 from opd_cache.train.trainer import Trainer
@@ -66,11 +66,7 @@ def open_sources(spec: ReplaySpec) -> list[Source]:
     for uri in spec.sources:
         store = Store(uri)
         run = store.require_run()
-        shards = store.list_rollout_shards()
-        hint = store.legacy_layout_hint(shards)
-        if hint:
-            raise StoreError(hint)
-        parts = store.list_annotated_parts()
+        shards, parts = store.list_dataset()
         teachers = required_teachers(run)
         if spec.teachers:
             present = set(run.get("teachers") or {}) | {t for names in parts.values() for t in names}

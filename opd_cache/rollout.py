@@ -51,8 +51,8 @@ from opd_cache.engines import engine_fields
 from opd_cache.integrity import legacy_warning, verify_local_folder
 from opd_cache.metrics import MetricsLog
 from opd_cache.progress import Every
-from opd_cache.schema import ROLLOUT, ShardError, ShardMeta, read_shard, rollout_table, write_shard
-from opd_cache.store import COMPLETE_MARKER, ShardWatch, Store, make_shard_id, validate_worker_id
+from opd_cache.schema import ROLLOUT, CorruptShardError, ShardError, ShardMeta, read_shard, rollout_table, write_shard
+from opd_cache.store import COMPLETE_MARKER, ShardWatch, Store, make_shard_id, parse_shard_id, validate_worker_id
 from opd_cache.tasks.prompts import PromptSet, load_prompts
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -133,13 +133,20 @@ class ResumePoint:
     cursor: int = 0
     samples: int = 0
     last_shard: str | None = None
+    quarantined: list[str] = field(default_factory=list)  # this worker's damaged newest shards, moved aside
 
 
 def resume_point(store: Store, worker_id: str, run: dict, seed: int, num_prompts: int) -> ResumePoint:
-    """Where this worker stopped, read from its own last published shard.
+    """Where this worker stopped, read from its own last intact shard.
 
     A worker's shards never go back in version, so its last one lies in the newest partition holding any of
     its shards: look at the last RESUME_VERSIONS partitions first, list the whole history only when none does.
+
+    A damaged newest shard (checksum, truncation) is quarantined and the worker resumes from the shard before
+    it: the damaged shard's prompts are sampled again, under a new shard id (`next_seq` passes every seq this
+    worker ever used, quarantined ones included, so no id is reused and no old annotated part pairs up with new
+    rows). Its rows are not counted here: the trainer never trains them (gone from `rollouts/`) and counts as
+    lost only the rows of it that it had started on (docs/reliability.md).
     """
     latest = store.latest_version()
     mine = []
@@ -149,10 +156,21 @@ def resume_point(store: Store, worker_id: str, run: dict, seed: int, num_prompts
             break
     else:
         mine = [s for s in store.list_rollout_shards() if s.worker == worker_id]
+    used_seq = max([s.seq for s in mine] + _quarantined_seqs(store, worker_id), default=-1)
+    quarantined = []
+    while mine:
+        last = max(mine, key=lambda s: s.seq)
+        try:
+            table, _ = read_shard(store, last.path, kind=ROLLOUT, run=run)
+            break
+        except CorruptShardError as e:
+            _quarantine(store, e)
+            quarantined.append(last.shard_id)
+            if len(quarantined) == 1:  # the previous intact shard may lie in an older partition: list them all
+                mine = [s for s in store.list_rollout_shards() if s.worker == worker_id]
+            mine = [s for s in mine if s.seq < last.seq]
     if not mine:
-        return ResumePoint()
-    last = max(mine, key=lambda s: s.seq)
-    table, _ = read_shard(store, last.path, kind=ROLLOUT, run=run)
+        return ResumePoint(next_seq=used_seq + 1, quarantined=quarantined)
     meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
     where = store.path(last.path)
     if META_CURSOR not in meta:
@@ -164,8 +182,32 @@ def resume_point(store: Store, worker_id: str, run: dict, seed: int, num_prompts
             f"{where}: worker {worker_id} was sampling with seed {recorded[0]} over {recorded[1]} prompts, this "
             f"command has seed {seed} over {num_prompts}: restart with the same settings, or use a new --worker-id"
         )
-    return ResumePoint(next_seq=last.seq + 1, cursor=int(meta[META_CURSOR]), samples=int(meta[META_SAMPLES]),
-                       last_shard=last.shard_id)
+    return ResumePoint(next_seq=used_seq + 1, cursor=int(meta[META_CURSOR]), samples=int(meta[META_SAMPLES]),
+                       last_shard=last.shard_id, quarantined=quarantined)
+
+
+def _quarantine(store: Store, error: CorruptShardError) -> None:
+    """Move a damaged shard of this worker aside with its reason (one line: what failed, and that it moved)."""
+    try:
+        store.quarantine(error.rel, str(error))
+    except FileNotFoundError:
+        pass  # the trainer or annotate quarantined it first
+    print(f"{error}: quarantined", file=sys.stderr)
+
+
+def _quarantined_seqs(store: Store, worker_id: str) -> list[int]:
+    """Seqs of this worker's rollout shards in quarantine/ (`rollouts__v<version>__<shard id>.arrow`)."""
+    seqs = []
+    for info in store.list_files("quarantine"):  # names only: one LIST, no reason file read
+        name = info.base_name
+        if name.startswith("rollouts__") and name.endswith(".arrow"):
+            try:
+                _, worker, seq = parse_shard_id(name.rsplit("__", 1)[-1].removesuffix(".arrow"))
+            except ValueError:
+                continue
+            if worker == worker_id:
+                seqs.append(seq)
+    return seqs
 
 
 # ---------------------------------------------------------------- pacing
@@ -470,6 +512,9 @@ def run_rollout(cfg: RolloutConfig, store: Store, *, stop: threading.Event | Non
         prompt_limit = len(prompts)  # one pass over the prompts
 
     metrics = MetricsLog(store, "rollout", worker)
+    for shard_id in resume.quarantined:  # its prompts are sampled again from `cursor` on
+        metrics.log({"event": "shard_quarantined", "shard": shard_id, "resumed_from": resume.last_shard,
+                     "cursor": cursor}, flush=True)
     backlog_gauge = BacklogGauge(store)
     buffer = ShardBuffer(student_topk)
     result = RolloutResult(cursor=cursor, total_samples=total_samples, policy_version=version,

@@ -390,3 +390,166 @@ def test_damaged_part_of_a_partly_trained_shard_waits_for_annotate(local_store):
     end = stream.next_batch(2, 0)
     assert isinstance(end, StreamEnd)
     assert end.reason == f"{local_store.path(rel)} is missing (quarantined): annotate it again"
+
+
+# ------------------------------------------------------------------ a rollout shard damaged mid-shard
+@pytest.mark.parametrize("who", ["trainer", "rollout worker"])
+def test_damaged_rollout_shard_of_a_partly_trained_shard_loses_only_its_untrained_rows(local_store, who):
+    """The trainer took rows 0-3 of a shard, then its rollout shard is damaged (found by the trainer itself, or
+    by its rollout worker on restart, which quarantines it): rows 4-7 are lost, counted, and the stream goes on."""
+    from opd_cache.train.shard_data import ShardCache
+    from opd_cache.train.stream import ShardStream
+
+    run = local_store.ensure_run(student="s", tokenizer_fingerprint="fp", vocab_size=32, top_k=4,
+                                 teachers={"teacher": "t"})
+    first, second = make_shard_id(0, "w00", 0), make_shard_id(0, "w00", 1)
+    for seed, shard_id in enumerate((first, second)):
+        write_synthetic_shard(local_store, run, shard_id, num_rows=8, vocab_size=32, top_k=4, seed=seed)
+    rel = local_store.rollout_path(first)
+    stream = ShardStream(local_store, run, ShardCache(local_store, run, ["teacher"]), max_staleness=10,
+                         batch_samples=4, batch_tokens=None)
+    events = []
+    stream.on_event = events.append
+    assert stream.next_batch(1, 0).sample_ids == [f"{first}-{i}" for i in range(4)]
+    stream.cache._shards.clear()  # the shard left the cache (or the trainer resumed here) ...
+    flip_bytes(local_store.local_path(rel), local_store.local_path(rel).stat().st_size // 2, count=8)  # ... damaged
+    if who == "rollout worker":
+        local_store.quarantine(rel, "shard … failed its checksum")
+    batch = stream.next_batch(2, 0)
+    assert batch.sample_ids == [f"{second}-{i}" for i in range(4)]  # the run goes on with the next shard
+    cursor = stream.cursor
+    assert (cursor.lost_samples, cursor.lost_shards, cursor.trained_samples) == (4, 1, 8)
+    assert first in cursor.finished and cursor.current == second
+    skipped = [json.loads(line) for line in local_store.read_bytes(f"train/skipped/{first}.jsonl").splitlines()]
+    assert skipped == [{"sample_id": f"{first}-{i}", "reason": "lost"} for i in range(4, 8)]  # 0-3 trained: not lost
+    assert not local_store.exists(rel)
+    if who == "trainer":
+        assert events == [f"{quarantine_reason(local_store, rel).split(': ', 1)[1]}: quarantined"]
+        assert events[0].startswith(f"shard {local_store.local_path(rel)} failed its checksum (stored ")
+    else:
+        assert events == [f"{local_store.path(rel)} was quarantined by its rollout worker: "
+                          f"4 rows not trained yet are lost"]
+
+
+def test_partly_trained_damaged_shard_with_routing_keeps_every_row_in_the_ledger_once(local_store):
+    """Rows 0-4 handed out (row 2 unrouted), then the rollout shard is damaged: the unrouted row before the
+    cursor is recorded as unrouted, the routed rows after it as lost, and nothing of it twice."""
+    from opd_cache.train.shard_data import ShardCache
+    from opd_cache.train.stream import ShardStream, StreamEnd
+
+    run = local_store.ensure_run(student="s", tokenizer_fingerprint="fp", vocab_size=32, top_k=4,
+                                 teachers={"math": "m", "code": "c"},
+                                 routing={"key": "data_source", "map": {"gsm8k": "math", "mbpp": "code"},
+                                          "default": None})
+    sources = ["gsm8k", "mbpp", "other", "mbpp", "gsm8k", "other", "gsm8k", "mbpp"]
+    shard_id = make_shard_id(0, "w00", 0)
+    write_synthetic_shard(local_store, run, shard_id, num_rows=8, vocab_size=32, top_k=4, seed=3,
+                          teachers={"math": None, "code": None}, routing={"gsm8k": "math", "mbpp": "code"},
+                          data_sources=sources)
+    stream = ShardStream(local_store, run, ShardCache(local_store, run, ["code", "math"]), max_staleness=10,
+                         batch_samples=4, batch_tokens=None)
+    stream.on_event = lambda message: None
+    first = stream.next_batch(1, 0)
+    assert first.sample_ids == [f"{shard_id}-{i}" for i in (0, 1, 3, 4)] and stream.cursor.current_rows == 5
+    stream.cache._shards.clear()
+    rel = local_store.rollout_path(shard_id)
+    flip_bytes(local_store.local_path(rel), local_store.local_path(rel).stat().st_size // 2, count=8)
+    assert isinstance(stream.next_batch(2, 0), StreamEnd)  # nothing else to train: the stream ends, no error
+    skipped = dict((r["sample_id"], r["reason"]) for r in map(json.loads, local_store.read_bytes(
+        f"train/skipped/{shard_id}.jsonl").splitlines()))
+    assert skipped == {f"{shard_id}-2": "unrouted", f"{shard_id}-6": "lost", f"{shard_id}-7": "lost"}
+    assert set(skipped).isdisjoint(first.sample_ids)  # every row of the shard recorded once, row 5 unknowable
+    assert (stream.cursor.lost_samples, stream.cursor.unrouted_samples, stream.cursor.lost_shards) == (2, 1, 1)
+    assert rel.replace("/", "__") in local_store.list_quarantine()
+
+
+def test_resumed_trainer_loses_the_untrained_rows_of_a_damaged_shard_and_goes_on(tmp_path, student_path, tokenizer,
+                                                                                teacher_path):
+    store = make_store(tmp_path / "store", student_path, tokenizer, teacher_path)
+    train(config(store, max_steps=1, global_batch_samples=4, save_every=1, lr=3e-3))  # rows 0-3 of shard 0
+    shard_id = make_shard_id(0, "w00", 0)
+    rel = store.rollout_path(shard_id)
+    damage(store.local_path(rel), "middle", seed=30)
+    result = train(config(store, max_steps=6, global_batch_samples=4, save_every=1, lr=3e-3))
+    assert result.trained_samples == 20  # 4 before the damage, then the two intact shards
+    progress = store.read_progress()
+    assert progress["lost_samples"] == 4 and progress["lost_shards"] == 1
+    assert json.loads(store.read_bytes("metrics/train-0.jsonl").decode().splitlines()[-1])["lost_total"] == 4
+    trained, skipped = read_ledger(store)
+    assert trained[1] == [f"{shard_id}-{i}" for i in range(4)]
+    assert sorted(s for s, why in skipped.items() if why == "lost") == [f"{shard_id}-{i}" for i in range(4, 8)]
+    ledger = verify_ledger(store)
+    assert ledger["duplicates"] == [] and ledger["trained_and_skipped"] == [] and ledger["trained"] == 20
+    assert quarantine_reason(store, rel).startswith(f"{rel}: shard {store.local_path(rel)} failed its checksum (")
+
+
+# ------------------------------------------------------------------ a rollout worker's own newest shard
+def test_rollout_worker_quarantines_its_damaged_newest_shard_and_samples_its_prompts_again(tiny_model_factory,
+                                                                                          tmp_path, capsys):
+    from opd_cache.config import RolloutConfig, SamplingConfig
+    from opd_cache.metrics import read_metrics
+    from opd_cache.rollout import resume_point, run_rollout
+    from tests.test_rollout import questions, write_prompts
+
+    store = Store(tmp_path / "store")
+    prompts = write_prompts(tmp_path / "p.jsonl", questions(8))
+    cfg = dict(student=str(tiny_model_factory("student")), prompts=str(prompts), n=2, flush_rows=4,
+               sampling=SamplingConfig(max_new_tokens=4))
+    run_rollout(RolloutConfig(**cfg, max_samples=8), store)  # shards 0 and 1: 2 prompts each, cursor 2 and 4
+    run = store.require_run()
+
+    def damage_shard(seq: int) -> tuple[str, Path, str]:
+        rel = store.rollout_path(make_shard_id(0, "w00", seq))
+        path = store.local_path(rel)
+        stored = path.read_bytes()[-integrity.TRAILER_SIZE:-16][::-1].hex()
+        flip_bytes(path, path.stat().st_size // 2, count=8)
+        computed = integrity.checksum(path.read_bytes()[:-integrity.TRAILER_SIZE])
+        return rel, path, f"shard {path} failed its checksum (stored {stored}, computed {computed}): quarantined"
+
+    rel = store.rollout_path(make_shard_id(0, "w00", 1))
+    lost_prompts = read_shard(store, rel, kind=ROLLOUT, run=run)[0]["prompt_index"].to_pylist()
+    rel, path, message = damage_shard(1)
+    capsys.readouterr()
+    result = run_rollout(RolloutConfig(**cfg, max_samples=12), store)  # restarts: resumes from shard 0, goes on
+    assert message in capsys.readouterr().err.splitlines()
+    assert result.shards == [make_shard_id(0, "w00", 2), make_shard_id(0, "w00", 3)]  # seq 1 is never used again
+    again = read_shard(store, store.rollout_path(result.shards[0]), kind=ROLLOUT, run=run)[0]
+    assert again["prompt_index"].to_pylist() == lost_prompts  # the damaged shard's prompts, sampled again
+    assert result.cursor == 6 and result.total_samples == 12
+    assert not store.exists(rel)
+    assert quarantine_reason(store, rel) == f"{rel}: {message.removesuffix(': quarantined')}"
+    events = [r for r in read_metrics(store, "rollout")["rollout-w00"] if r.get("event") == "shard_quarantined"]
+    assert [(e["shard"], e["resumed_from"], e["cursor"]) for e in events] == [
+        (make_shard_id(0, "w00", 1), make_shard_id(0, "w00", 0), 2)]
+
+    # a worker restarted before it wrote anything new still skips the quarantined seq
+    rel, path, message = damage_shard(3)
+    point = resume_point(store, "w00", run, 0, 8)
+    assert message in capsys.readouterr().err.splitlines()
+    assert (point.cursor, point.samples, point.last_shard) == (4, 8, make_shard_id(0, "w00", 2))
+    assert point.next_seq == 4 and point.quarantined == [make_shard_id(0, "w00", 3)]
+    assert resume_point(store, "w00", run, 0, 8).next_seq == 4
+
+
+# ------------------------------------------------------------------ progress.json
+def test_torn_progress_read_is_retried_and_a_damaged_one_counts_as_not_yet_written(local_store, monkeypatch, capsys):
+    """On S3 a read racing the trainer's overwrite gets a torn file (the new content padded to the old size with
+    uninitialised bytes: "Extra data"); retried, it reads whole. Damaged for good, it reads as not yet written."""
+    local_store.write_progress({"consumed_samples": 8})
+    good = local_store.read_bytes("train/progress.json")
+    torn = good + b"\x86\x00" * 20
+    reads = iter([torn, good])
+    real = local_store.read_bytes
+    monkeypatch.setattr(local_store, "read_bytes",
+                        lambda rel: next(reads) if rel == "train/progress.json" else real(rel))
+    assert local_store.read_progress() == {"consumed_samples": 8}
+    assert capsys.readouterr().err == ""
+    monkeypatch.undo()
+
+    local_store.local_path("train/progress.json").write_bytes(torn)
+    assert local_store.read_progress() == {}
+    err = capsys.readouterr().err
+    assert err.startswith(f"warning: {local_store.path('train/progress.json')} is not valid JSON: ")
+    assert err.strip().endswith("treating it as not yet written (the trainer rewrites it every step)")
+    local_store.write_progress({"consumed_samples": 16})  # the trainer's next step
+    assert local_store.read_progress() == {"consumed_samples": 16}

@@ -225,19 +225,25 @@ class ShardStream:
         try:
             data = self.cache.get(self.cursor.current)
         except CorruptShardError as e:
-            if not self.cursor.current_rows:
+            if not self.cursor.current_rows or e.rel == self.store.rollout_path(self.cursor.current):
+                # a fresh shard, or the rollout shard of a partly trained one: the rows not trained yet are lost
                 self._recover(self.cursor.current, e)
                 return False
             # Part of this shard is trained already (it was loaded, then left the cache, then got damaged):
             # the stream cannot move to another shard, so it waits for annotate to score the part again.
-            if e.rel == self.store.rollout_path(self.cursor.current):
-                raise  # rows of a partly trained shard lost: not recoverable without repeating or skipping rows
             try:
                 self.store.quarantine(e.rel, str(e))
             except FileNotFoundError:
                 pass  # quarantined by another process meanwhile
             self.on_event(f"{e}: quarantined; waiting for annotate to write it again")
             self._missing_part = e.rel
+            return False
+        except FileNotFoundError:
+            rel = self.store.rollout_path(self.cursor.current)
+            if self.store.exists(rel) or not self.store.exists(self._quarantined(rel)):
+                raise
+            # its rollout worker found it damaged on restart and quarantined it (then samples its prompts again)
+            self._recover(self.cursor.current, None)
             return False
         start, n = self.cursor.current_rows, data.num_rows
         if version - data.policy_version > self.max_staleness:
@@ -282,40 +288,64 @@ class ShardStream:
             time.sleep(self.poll_seconds)
         return False
 
-    def _recover(self, shard_id: str, error: CorruptShardError) -> None:
+    def _quarantined(self, rel: str) -> str:
+        return f"quarantine/{rel.replace('/', '__')}"
+
+    def _recover(self, shard_id: str, error: CorruptShardError | None) -> None:
         """A damaged file of `shard_id`: quarantine it, never train it.
 
         A damaged annotated part: the shard waits until annotate re-scores it (the rollout shard is intact).
-        A damaged rollout shard: its rows are lost; the ones its annotated parts name go to the skipped ledger
-        (reason "lost") and are counted in `lost_samples`.
+        A damaged rollout shard (`error` None: one already quarantined by its rollout worker): the rows not yet
+        trained are lost. The ones its annotated parts name go to the skipped ledger (reason "lost") and are
+        counted in `lost_samples`; rows already handed out keep their outcome (trained in the step ledger, or
+        unrouted, written here since `_finish` can no longer read which they were). Which rows were handed out
+        is known from the row index every sample id ends with (`<shard id>-<row>`, as rollout writes them).
         """
-        try:
-            self.store.quarantine(error.rel, str(error))
-        except FileNotFoundError:
-            pass  # another process (annotate) quarantined it first
-        self.on_event(f"{error}: quarantined")
+        rel = error.rel if error is not None else self.store.rollout_path(shard_id)
+        if error is not None:
+            try:
+                self.store.quarantine(error.rel, str(error))
+            except FileNotFoundError:
+                pass  # another process (annotate) quarantined it first
+            self.on_event(f"{error}: quarantined")
+        trained_until = self.cursor.current_rows if self.cursor.current == shard_id else 0
         if self.cursor.current == shard_id:
             self.cursor.current, self.cursor.current_rows = None, 0
-        if error.rel != self.store.rollout_path(shard_id):
-            teacher = error.rel.rsplit("/", 1)[-1].removesuffix(".arrow")
+        if rel != self.store.rollout_path(shard_id):
+            teacher = rel.rsplit("/", 1)[-1].removesuffix(".arrow")
             self._parts.get(shard_id, set()).discard(teacher)  # not admissible until the part is rewritten
             return
-        lost: set[str] = set()
-        for teacher in sorted(self._parts.get(shard_id, ())):
+        routed: dict[str, int | None] = {}  # sample id -> its row in the rollout shard (None: not of that form)
+        complete = True  # every part read: rows before `trained_until` that no part names were unrouted
+        # the listed parts, or (a resumed stream has not listed yet) those of the required teachers
+        for teacher in sorted(self._parts.get(shard_id) or self.cache.teachers):
             try:
                 part, _ = read_shard(self.store, self.store.annotated_path(shard_id, teacher), kind=ANNOTATED,
                                      run=self.run)
-                lost.update(part["sample_id"].to_pylist())
             except (ShardError, FileNotFoundError):
+                complete = False
                 continue  # what cannot be read cannot be counted
+            for sid in part["sample_id"].to_pylist():
+                row = sid[len(shard_id) + 1:]
+                routed[sid] = int(row) if sid.startswith(f"{shard_id}-") and row.isdigit() else None
+        # a row handed out already is never counted again; one whose row is unknown counts only when none was
+        lost = sorted(sid for sid, row in routed.items()
+                      if (row is None and not trained_until) or (row is not None and row >= trained_until))
+        unrouted = []
+        if trained_until and complete and None not in routed.values():
+            handed_out = {row for row in routed.values() if row is not None and row < trained_until}
+            unrouted = [f"{shard_id}-{row}" for row in range(trained_until) if row not in handed_out]
+        if error is None:
+            self.on_event(f"{self.store.path(rel)} was quarantined by its rollout worker: "
+                          f"{len(lost)} rows not trained yet are lost")
         self.cursor.lost_samples += len(lost)
         self.cursor.lost_shards += 1
-        self._finish(shard_id, lost_ids=sorted(lost))
+        self._finish(shard_id, lost_ids=lost, unrouted_ids=unrouted)
 
     def _finish(self, shard_id: str, expired_ids: list[str] | None = None, data=None, trained_until: int = 0,
-                lost_ids: list[str] | None = None) -> None:
+                lost_ids: list[str] | None = None, unrouted_ids: list[str] | None = None) -> None:
         """Mark a shard done and write its skipped rows (unrouted before `trained_until`, expired after)."""
-        lines = []
+        lines = [{"sample_id": sid, "reason": "unrouted"} for sid in unrouted_ids or []]
         if data is not None:
             unrouted = np.nonzero(data.teacher_of_row[:trained_until] < 0)[0]
             lines += [{"sample_id": data.sample_ids[int(r)].as_py(), "reason": "unrouted"} for r in unrouted]

@@ -172,15 +172,26 @@ class Store:
                 raise FileNotFoundError(f"{self.path(rel)} does not exist") from e
             raise StoreError(f"cannot read {self.path(rel)}: {e}") from e
 
-    def read_json(self, rel: str, default: Any = None) -> Any:
-        try:
-            data = self.read_bytes(rel)
-        except FileNotFoundError:
-            return default
-        try:
-            return json.loads(data)
-        except json.JSONDecodeError as e:
-            raise StoreError(f"{self.path(rel)} is not valid JSON: {e}") from e
+    def read_json(self, rel: str, default: Any = None, attempts: int = 3) -> Any:
+        """A JSON file, or `default` when it does not exist.
+
+        Small JSON files (run.json, progress.json) are overwritten in place. On object stores pyarrow reads a
+        file with a HEAD (its size) then a ranged GET, so a read that races an overwrite can get a torn mix of
+        two versions: the new content cut to the old size, or padded to it ("Extra data", a decode error).
+        Such a read is transient, so one that does not parse is retried before it counts as damage.
+        """
+        for attempt in range(attempts):
+            try:
+                data = self.read_bytes(rel)
+            except FileNotFoundError:
+                return default
+            try:
+                return json.loads(data)
+            except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError on undecodable bytes
+                problem = e
+            if attempt + 1 < attempts:
+                time.sleep(0.05 * (attempt + 1))
+        raise StoreError(f"{self.path(rel)} is not valid JSON: {problem}") from problem
 
     def read_buffer(self, rel: str) -> pa.Buffer:
         """The whole file as one buffer: a memory map on local stores (zero-copy), one GET on object stores."""
@@ -555,32 +566,22 @@ class Store:
         return sorted(versions)
 
     # ------------------------------------------------------ trainer status
-    def read_progress(self, attempts: int = 3) -> dict:
+    def read_progress(self) -> dict:
         """train/progress.json, or {} while it is not written yet, or when it cannot be parsed.
 
-        The trainer overwrites this file every step. On object stores pyarrow reads a file with a HEAD (its
-        size) then a ranged GET, so a read that races an overwrite gets a torn mix of two versions: the new
-        content cut to the old size, or padded to it with uninitialised bytes ("Extra data", a decode error).
-        Such a read is transient, so it is retried; a file still unparseable (damaged on disk) counts as not
-        yet written, with a warning, since the trainer rewrites it on its next step.
+        A torn read is retried by `read_json`; a file still unparseable (damaged) counts as not yet written,
+        with a warning, since the trainer rewrites it on its next step.
         """
-        rel = "train/progress.json"
-        for attempt in range(attempts):
-            try:
-                data = self.read_bytes(rel)
-            except FileNotFoundError:
-                return {}
-            try:
-                progress = json.loads(data)
-                if isinstance(progress, dict):
-                    return progress
-                problem = f"holds a {type(progress).__name__}, not an object"
-            except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError on undecodable bytes
-                problem = f"is not valid JSON: {e}"
-            if attempt + 1 < attempts:
-                time.sleep(0.05 * (attempt + 1))
-        print(f"warning: {self.path(rel)} {problem}; treating it as not yet written (the trainer rewrites it "
-              f"every step)", file=sys.stderr)
+        try:
+            progress = self.read_json("train/progress.json", default={})
+            problem = None if isinstance(progress, dict) else \
+                f"{self.path('train/progress.json')} holds a {type(progress).__name__}, not an object"
+        except StoreError as e:
+            problem = str(e)
+        if problem is None:
+            return progress
+        print(f"warning: {problem}; treating it as not yet written (the trainer rewrites it every step)",
+              file=sys.stderr)
         return {}
 
     def write_progress(self, progress: dict) -> None:

@@ -197,6 +197,11 @@ def test_annotate_with_codec_packed_writes_columns_that_decode_to_the_plain_anno
     np.testing.assert_array_equal(data.topk_logprobs, schema.flat_values(got["teacher_topk_logprobs"]))
     np.testing.assert_array_equal(data.token_logprob, schema.flat_values(plain["teacher_token_logprob"]))
 
+    # `opd inspect STORE` names the codec of the parts
+    from opd_cache.cli.inspect import summarize_store
+
+    assert summarize_store(store)["teachers"]["teacher"]["codec"] == ["packed"]
+
 
 # ---------------------------------------------------------------- loss parity
 def assert_losses_match(student_logits: torch.Tensor, topk_ids: np.ndarray, topk_lp: np.ndarray) -> None:

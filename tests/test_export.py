@@ -213,12 +213,13 @@ def test_inspect_store_summarizes_the_cache(annotated_store, tmp_path, tokenizer
         t = info["teachers"][teacher]
         assert (t["parts"], t["rows"], t["tokens"], t["bytes"]) == (3, {"tA": 5, "tB": 6}[teacher], tokens, size)
         assert t["top_k"] == [4] and t["topk_logprob_dtype"] == ["float32"] and t["policy_versions"] == [0, 1]
+        assert t["codec"] == ["none"]
         assert t["engine"] == [" ".join(parts[0].schema.metadata[k].decode()
                                         for k in (b"opd.engine", b"opd.engine_version", b"opd.model_dtype"))]
         assert t["bytes_per_token"] == pytest.approx(size / tokens)
         line = next(line for line in lines if line.strip().startswith(f"teacher {teacher}:"))
         assert f"k=4, 3 parts, {t['rows']} rows, {tokens} tokens, {size} bytes ({size / tokens:.1f} bytes/token stored" \
-            in line and "top-k log-probs float32, versions 0-1, engine hf " in line
+            in line and "codec none, top-k log-probs float32, versions 0-1, engine hf " in line
 
     bare = Store(tmp_path / "bare")
     run = bare.ensure_run(student=str(tokenizer_path), tokenizer_fingerprint="fp")

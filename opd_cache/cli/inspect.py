@@ -97,7 +97,7 @@ def summarize_store(store: Store, on_file=None) -> dict:
             part, meta = read_shard(store, rel)
             t = teachers.setdefault(teacher, {"parts": 0, "rows": 0, "tokens": 0, "bytes": 0, "decoded_bytes": 0,
                                               "top_k": set(), "topk_logprob_dtype": set(), "engine": set(),
-                                              "policy_versions": set()})
+                                              "codec": set(), "policy_versions": set()})
             lp = part.schema.field("teacher_topk_logprobs").type.value_type
             t["parts"] += 1
             t["rows"] += part.num_rows
@@ -105,6 +105,7 @@ def summarize_store(store: Store, on_file=None) -> dict:
             t["bytes"] += store.fs.get_file_info(store.path(rel)).size
             t["decoded_bytes"] += part.nbytes
             t["top_k"].add(meta.top_k)
+            t["codec"].add(meta.codec)  # the annotation codec (annotate.codec): none or packed
             t["topk_logprob_dtype"].add(np.dtype(lp.value_type.to_pandas_dtype()).name)
             t["policy_versions"].add(shard.policy_version)
             stored = {k.decode(): v.decode() for k, v in (part.schema.metadata or {}).items()}
@@ -119,7 +120,7 @@ def summarize_store(store: Store, on_file=None) -> dict:
         # two side by side are what tells a compressed store from an uncompressed one.
         t["bytes_per_token"] = t["bytes"] / t["tokens"] if t["tokens"] else None
         t["decoded_bytes_per_token"] = t["decoded_bytes"] / t["tokens"] if t["tokens"] else None
-        for key in ("top_k", "topk_logprob_dtype", "engine", "policy_versions"):
+        for key in ("top_k", "topk_logprob_dtype", "engine", "codec", "policy_versions"):
             t[key] = sorted(t[key])
     return {"store": store.path(""), "run_id": run.get("run_id"), "student": run.get("student"),
             "policy_versions": sorted({s.policy_version for s in shards}),
@@ -141,7 +142,7 @@ def print_store_summary(summary: dict) -> None:
         bpt = "-" if t["bytes_per_token"] is None else \
             f"{t['bytes_per_token']:.1f} bytes/token stored, {t['decoded_bytes_per_token']:.1f} decoded"
         console.print(f"  teacher {name}: k={'/'.join(map(str, t['top_k']))}, {t['parts']} parts, {t['rows']} rows, "
-                      f"{t['tokens']} tokens, {t['bytes']} bytes ({bpt}), top-k log-probs "
+                      f"{t['tokens']} tokens, {t['bytes']} bytes ({bpt}), codec {'/'.join(t['codec'])}, top-k log-probs "
                       f"{'/'.join(t['topk_logprob_dtype'])}, versions "
                       f"{_ranges(t['policy_versions'])}" + (f", engine {'; '.join(t['engine'])}" if t["engine"] else ""),
                       highlight=False, soft_wrap=True)

@@ -19,6 +19,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub; fail fast instead of timing out
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """One intra-op thread for every test: tiny models and tensors only wait on a second OpenMP thread, and on
+    this shared 2-core machine its spinning made them 20-30x slower. Stages started as processes set their own
+    (OMP_NUM_THREADS)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_path() -> Path:
     return TOKENIZER_DIR

@@ -69,15 +69,6 @@ def snapshot(root: Path) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- the store
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: a second intra-op thread only adds contention on a shared CI machine."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

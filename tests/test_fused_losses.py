@@ -20,15 +20,6 @@ N, V, H, K = 12, 37, 8, 5
 CHUNKS = [4, 12, 5, 64]  # divide N, divide N, do not, larger than N
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second OpenMP thread only adds waiting on a shared CPU (20x slower here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 MODES = {
     "forward_kl-bucket": dict(divergence="forward_kl"),
     "reverse_kl-bucket": dict(divergence="reverse_kl"),

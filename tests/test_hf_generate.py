@@ -15,15 +15,6 @@ from opd_cache.models import build_tiny_model, load_causal_lm, save_causal_lm
 QUESTIONS = ["What is 3 + 4?", "Hi", "What is 12 + 85? Think step by step, then answer."]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models run faster on one thread, and much faster on a busy shared machine.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
     ids = [tokenizer(q + "\n")["input_ids"] for q in QUESTIONS]

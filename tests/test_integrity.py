@@ -37,14 +37,6 @@ from tests.test_trainer import K, assert_same_weights, config, final_weights
 DAMAGE = ["header", "middle", "footer", "truncate"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def teacher_path(tmp_path_factory, tokenizer):
     model = build_tiny_model(vocab_size=len(tokenizer), seed=1, tie_word_embeddings=False)

@@ -22,14 +22,6 @@ from opd_cache.losses import (
     token_losses,
 )
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second OpenMP thread only adds waiting on a shared CPU (20x slower here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
 DIVERGENCES = ["forward_kl", "reverse_kl", "jsd"]

@@ -29,15 +29,6 @@ from opd_cache.tokenizer import tokenizer_fingerprint
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models run faster on one thread, and much faster on a busy shared machine.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def write_prompts(path: Path, questions: list[str], chat: bool = True) -> Path:
     """A JSONL prompt file: verl's chat format (default) or plain question/answer rows."""
     with open(path, "w") as f:

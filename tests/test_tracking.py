@@ -27,14 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def trained_store(tmp_path_factory, tiny_model_factory, tokenizer):
     """A tiny run trained for STEPS steps with report_to [wandb, tensorboard], W&B offline under a tmp folder."""

@@ -20,7 +20,7 @@ from opd_cache.models import load_causal_lm
 from opd_cache.store import Store
 from opd_cache.train import train
 from opd_cache.train.checkpoint import complete_states, read_ledger, verify_ledger
-from tests.test_trainer import assert_same_weights, config, make_store, metrics, one_thread, teacher  # noqa: F401
+from tests.test_trainer import assert_same_weights, config, make_store, metrics, teacher  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 

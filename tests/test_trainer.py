@@ -37,15 +37,6 @@ REPO = Path(__file__).resolve().parents[1]
 K = 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The test machine's cores are shared; torch's thread pool spinning on them makes tiny models 30x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def teacher(tokenizer):
     """A fixed tiny teacher with confident (peaked) distributions, so there is something to distil."""

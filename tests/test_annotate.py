@@ -35,15 +35,6 @@ from tests.conftest import REPO, write_random_rollout_shard
 VOCAB = 99  # the shipped tokenizer
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine they make each op 10-30x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def teacher_path(tiny_model_factory) -> Path:
     return tiny_model_factory("teacher", seed=1)
@@ -166,7 +157,7 @@ def test_sigkilled_worker_restarted_leaves_no_partial_or_duplicate_part(store, t
     shard_ids = write_shards(store, 24, num_rows=8, max_response=12)
     cmd = [sys.executable, "-m", "opd_cache.cli", "annotate", "--store", store.uri, "--teacher", str(teacher_path),
            "--top-k", "4", "--max-tokens-per-batch", "32"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as one_torch_thread, for the subprocess
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the one_thread fixture (conftest.py), for the subprocess
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 120

@@ -30,14 +30,6 @@ from opd_cache.train.shard_data import load_shard
 from tests.conftest import REPO, write_random_rollout_shard
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def sorted_logprobs(rng, n: int, vocab: int, k: int, sharpness: float) -> np.ndarray:
     """Top-k log-probs (descending) of random softmax distributions; larger sharpness = more peaked."""
     logits = rng.standard_normal((n, vocab)) * sharpness

@@ -17,15 +17,6 @@ from opd_cache.models import build_tiny_model
 VOCAB = 99  # the shipped tokenizer's size
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine they make each op 10-30x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def random_rows(seed: int, n: int = 12, max_prompt: int = 9, max_response: int = 11, support_k: int = 3):
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, VOCAB, size=rng.integers(1, max_prompt + 1)).astype(np.int32) for _ in range(n)]

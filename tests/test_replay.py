@@ -10,22 +10,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import pytest
-import torch
 
 from opd_cache.schema import read_shard
 from opd_cache.store import Store
 from opd_cache.train.checkpoint import read_ledger
 from tests.test_cli_inspect import opd
 from tests.test_export import annotated_store, store_hashes  # noqa: F401  (the module-scoped source store)
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def replay(src: list[Store], dst: Path, *extra: str, max_steps: str | None = "100"):

@@ -44,14 +44,23 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from opd_cache.annotate import Annotator  # noqa: E402
-from opd_cache.config import AnnotateConfig  # noqa: E402
-from opd_cache.engines.hf_score import HFScorer, plan_batches  # noqa: E402
-from opd_cache.models import build_tiny_model, save_causal_lm  # noqa: E402
-from opd_cache.schema import (ANNOTATED, ROLLOUT, ShardMeta, annotated_table, flat_values, list_lengths,  # noqa: E402
-                              read_shard, rollout_table, write_shard)
-from opd_cache.store import Store, make_shard_id  # noqa: E402
-from opd_cache.tokenizer import tokenizer_fingerprint  # noqa: E402
+from opd_cache.annotate import Annotator
+from opd_cache.annotate.hf_score import HFScorer, plan_batches
+from opd_cache.config import AnnotateConfig
+from opd_cache.models import build_tiny_model, save_causal_lm
+from opd_cache.schema import (
+    ANNOTATED,
+    ROLLOUT,
+    ShardMeta,
+    annotated_table,
+    flat_values,
+    list_lengths,
+    read_shard,
+    rollout_table,
+    write_shard,
+)
+from opd_cache.store import Store, make_shard_id
+from opd_cache.tokenizer import tokenizer_fingerprint
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_annotate.json"
 MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024)  # ~5M parameters at vocab 4096
@@ -72,11 +81,13 @@ def word_level_tokenizer(vocab_size: int):
 def make_store(root: Path, args) -> tuple[Store, Path]:
     tokenizer = word_level_tokenizer(args.vocab)
     teacher = root / "teacher"
-    save_causal_lm(build_tiny_model(vocab_size=args.vocab, seed=1, max_position_embeddings=1024, **MODEL),
-                   tokenizer, teacher)
+    save_causal_lm(
+        build_tiny_model(vocab_size=args.vocab, seed=1, max_position_embeddings=1024, **MODEL), tokenizer, teacher
+    )
     store = Store(root / "store")
-    run = store.ensure_run(student=str(teacher), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-                           vocab_size=len(tokenizer))
+    run = store.ensure_run(
+        student=str(teacher), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer)
+    )
     rng = np.random.default_rng(0)
     for seq in range(args.shards):
         n = args.rows
@@ -84,14 +95,27 @@ def make_store(root: Path, args) -> tuple[Store, Path]:
         response_len = rng.integers(args.response_len // 4, args.response_len + 1, size=n)
         shard_id = make_shard_id(0, "w00", seq)
         table = rollout_table(
-            sample_ids=[f"{shard_id}-{i}" for i in range(n)], prompt_index=np.arange(n), sample_index=np.zeros(n),
+            sample_ids=[f"{shard_id}-{i}" for i in range(n)],
+            prompt_index=np.arange(n),
+            sample_index=np.zeros(n),
             prompt_ids=[rng.integers(3, args.vocab, size=m) for m in prompt_len],
             response_ids=[rng.integers(3, args.vocab, size=m) for m in response_len],
-            behavior_logprobs=[-rng.random(m) for m in response_len], policy_version=0,
-            finish_reason=["stop"] * n)
-        write_shard(store, store.rollout_path(shard_id), table,
-                    ShardMeta(kind=ROLLOUT, run_id=run["run_id"], tokenizer_fingerprint=run["tokenizer_fingerprint"],
-                              shard_id=shard_id, policy_version=0))
+            behavior_logprobs=[-rng.random(m) for m in response_len],
+            policy_version=0,
+            finish_reason=["stop"] * n,
+        )
+        write_shard(
+            store,
+            store.rollout_path(shard_id),
+            table,
+            ShardMeta(
+                kind=ROLLOUT,
+                run_id=run["run_id"],
+                tokenizer_fingerprint=run["tokenizer_fingerprint"],
+                shard_id=shard_id,
+                policy_version=0,
+            ),
+        )
     return store, teacher
 
 
@@ -131,8 +155,9 @@ def time_scorer(scorer: HFScorer, rows, k: int) -> tuple[float, int]:
 
 def time_annotate(store: Store, teacher: Path, scorer: HFScorer, args) -> tuple[float, int]:
     store.delete_dir("annotated")
-    cfg = AnnotateConfig(teacher=str(teacher), top_k=args.top_k, dtype="float16",
-                         max_tokens_per_batch=args.max_tokens_per_batch)
+    cfg = AnnotateConfig(
+        teacher=str(teacher), top_k=args.top_k, dtype="float16", max_tokens_per_batch=args.max_tokens_per_batch
+    )
     annotator = Annotator(store, cfg, scorer=scorer, progress=False)  # checks + run.json; the model is loaded
     start = time.perf_counter()
     stats = annotator.run()
@@ -157,9 +182,12 @@ def throughput(store: Store, teacher: Path, args) -> dict:
                 seconds, tokens = time_annotate(store, teacher, scorer, args)
             rounds[side].append({"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds})
     best = {side: max(r["tokens_per_s"] for r in runs) for side, runs in rounds.items()}
-    return {"rounds": rounds, "best_tokens_per_s": best,
-            "ratio_vs_forward": {side: best[side] / best["forward"] for side in best},
-            "parameters": sum(p.numel() for p in model.parameters())}
+    return {
+        "rounds": rounds,
+        "best_tokens_per_s": best,
+        "ratio_vs_forward": {side: best[side] / best["forward"] for side in best},
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
 
 
 # ---------------------------------------------------------------- (b) storage
@@ -181,44 +209,77 @@ def storage(store: Store, teacher: Path, args) -> list[dict]:
                 for compression in (None, "zstd"):
                     size = 0
                     for seq, s in enumerate(scores):
-                        table = annotated_table(sample_ids=sample_ids[seq], lengths=s.lengths,
-                                                topk_ids=s.topk_ids[:, :k], topk_logprobs=s.topk_logprobs[:, :k],
-                                                token_logprob=s.token_logprob, logprob_dtype=dtype)
+                        table = annotated_table(
+                            sample_ids=sample_ids[seq],
+                            lengths=s.lengths,
+                            topk_ids=s.topk_ids[:, :k],
+                            topk_logprobs=s.topk_logprobs[:, :k],
+                            token_logprob=s.token_logprob,
+                            logprob_dtype=dtype,
+                        )
                         shard_id = make_shard_id(0, "w00", seq)
                         rel = f"annotated/{shard_id}/k{k}-{dtype}-{compression}.arrow"
-                        write_shard(out, rel, table, ShardMeta(kind=ANNOTATED, run_id=run["run_id"],
-                                                               tokenizer_fingerprint=run["tokenizer_fingerprint"],
-                                                               shard_id=shard_id, policy_version=0, top_k=k,
-                                                               teacher="teacher"), compression=compression)
+                        write_shard(
+                            out,
+                            rel,
+                            table,
+                            ShardMeta(
+                                kind=ANNOTATED,
+                                run_id=run["run_id"],
+                                tokenizer_fingerprint=run["tokenizer_fingerprint"],
+                                shard_id=shard_id,
+                                policy_version=0,
+                                top_k=k,
+                                teacher="teacher",
+                            ),
+                            compression=compression,
+                        )
                         size += out.fs.get_file_info(out.path(rel)).size
-                    results.append({"k": k, "dtype": dtype, "compression": compression or "none", "bytes": size,
-                                    "tokens": tokens, "bytes_per_token": size / tokens})
+                    results.append(
+                        {
+                            "k": k,
+                            "dtype": dtype,
+                            "compression": compression or "none",
+                            "bytes": size,
+                            "tokens": tokens,
+                            "bytes_per_token": size / tokens,
+                        }
+                    )
     return results
 
 
 # ---------------------------------------------------------------- report
 def print_tables(report: dict) -> str:
     a = report["throughput"]
-    lines = [f"(a) throughput, response tokens/s (best of {report['args']['repeats']} rounds, "
-             f"{a['parameters'] / 1e6:.1f}M-parameter teacher, vocab {report['args']['vocab']}, "
-             f"{report['tokens']} response tokens, {report['args']['threads']} threads)",
-             "",
-             "| side | tokens/s | vs forward |",
-             "|---|---:|---:|"]
-    for side, label in (("forward", "bare teacher forward `model(ids).logits`"),
-                        ("scorer", "scorer (forward + chunked head, log-softmax, top-k)"),
-                        ("annotate", "`opd annotate` loop end to end (read, score, encode, write)")):
+    lines = [
+        f"(a) throughput, response tokens/s (best of {report['args']['repeats']} rounds, "
+        f"{a['parameters'] / 1e6:.1f}M-parameter teacher, vocab {report['args']['vocab']}, "
+        f"{report['tokens']} response tokens, {report['args']['threads']} threads)",
+        "",
+        "| side | tokens/s | vs forward |",
+        "|---|---:|---:|",
+    ]
+    for side, label in (
+        ("forward", "bare teacher forward `model(ids).logits`"),
+        ("scorer", "scorer (forward + chunked head, log-softmax, top-k)"),
+        ("annotate", "`opd annotate` loop end to end (read, score, encode, write)"),
+    ):
         lines.append(f"| {label} | {a['best_tokens_per_s'][side]:,.0f} | {a['ratio_vs_forward'][side]:.2f}x |")
     v = report["args"]["vocab"]
-    lines += ["", f"(b) bytes per response token on disk (teacher's real top-k over {report['storage'][0]['tokens']} "
-                  f"tokens; full-vocabulary float16: {QWEN_VOCAB * 2:,} B at V={QWEN_VOCAB:,}, {v * 2:,} B at V={v:,})",
-              "",
-              f"| k | log-prob dtype | compression | bytes/token | full-vocab f16 is ... x larger (V={QWEN_VOCAB:,}) "
-              f"| ... (V={v:,}) |",
-              "|---:|---|---|---:|---:|---:|"]
+    lines += [
+        "",
+        f"(b) bytes per response token on disk (teacher's real top-k over {report['storage'][0]['tokens']} "
+        f"tokens; full-vocabulary float16: {QWEN_VOCAB * 2:,} B at V={QWEN_VOCAB:,}, {v * 2:,} B at V={v:,})",
+        "",
+        f"| k | log-prob dtype | compression | bytes/token | full-vocab f16 is ... x larger (V={QWEN_VOCAB:,}) "
+        f"| ... (V={v:,}) |",
+        "|---:|---|---|---:|---:|---:|",
+    ]
     for r in report["storage"]:
-        lines.append(f"| {r['k']} | {r['dtype']} | {r['compression']} | {r['bytes_per_token']:.1f} | "
-                     f"{QWEN_VOCAB * 2 / r['bytes_per_token']:,.0f}x | {v * 2 / r['bytes_per_token']:,.1f}x |")
+        lines.append(
+            f"| {r['k']} | {r['dtype']} | {r['compression']} | {r['bytes_per_token']:.1f} | "
+            f"{QWEN_VOCAB * 2 / r['bytes_per_token']:,.0f}x | {v * 2 / r['bytes_per_token']:,.1f}x |"
+        )
     text = "\n".join(lines)
     print(text)
     return text
@@ -248,10 +309,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store, teacher = make_store(Path(tmp), args)
         tokens = sum(sum(len(r) for r in responses) for _, responses in shard_rows(store))
-        report = {"args": vars(args), "tokens": tokens, "machine": platform.machine(),
-                  "python": platform.python_version(), "torch": torch.__version__,
-                  "throughput": throughput(store, teacher, args), "storage": storage(store, teacher, args),
-                  "full_vocab_float16_bytes_per_token": {str(QWEN_VOCAB): QWEN_VOCAB * 2, str(args.vocab): args.vocab * 2}}
+        report = {
+            "args": vars(args),
+            "tokens": tokens,
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "throughput": throughput(store, teacher, args),
+            "storage": storage(store, teacher, args),
+            "full_vocab_float16_bytes_per_token": {str(QWEN_VOCAB): QWEN_VOCAB * 2, str(args.vocab): args.vocab * 2},
+        }
     report["table"] = print_tables(report)
     if not args.quick:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)

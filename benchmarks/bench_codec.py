@@ -46,11 +46,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from opd_cache import codec  # noqa: E402
-from opd_cache.losses import token_losses  # noqa: E402
-from opd_cache.models import load_causal_lm  # noqa: E402
-from opd_cache.schema import annotated_table, flat_values  # noqa: E402
-from opd_cache.tokenizer import load_tokenizer  # noqa: E402
+from opd_cache import codec
+from opd_cache.losses import token_losses
+from opd_cache.models import load_causal_lm
+from opd_cache.schema import annotated_table, flat_values
+from opd_cache.tokenizer import load_tokenizer
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_codec.json"
 K_VALUES = (8, 32, 64)
@@ -74,8 +74,8 @@ def demo_outputs(num_prompts: int, max_new_tokens: int, seed: int):
     lengths = torch.where(eos.any(1), eos.argmax(1) + 1, torch.full_like(eos[:, 0], response.shape[1]))
     mask = torch.cat([batch["attention_mask"], torch.ones_like(response)], 1)
     keep = torch.arange(response.shape[1])[None] < lengths[:, None]
-    t_lp = torch.log_softmax(teacher(input_ids=out, attention_mask=mask).logits[:, prompt_len - 1:-1].float(), -1)
-    s_logits = student(input_ids=out, attention_mask=mask).logits[:, prompt_len - 1:-1].float()
+    t_lp = torch.log_softmax(teacher(input_ids=out, attention_mask=mask).logits[:, prompt_len - 1 : -1].float(), -1)
+    s_logits = student(input_ids=out, attention_mask=mask).logits[:, prompt_len - 1 : -1].float()
     sampled_lp = t_lp.gather(2, response[..., None])[..., 0]
     return t_lp[keep], s_logits[keep], sampled_lp[keep], lengths.numpy()
 
@@ -101,8 +101,11 @@ def loss_errors(student_logits, ids, ref_lp, got_lp) -> dict:
     for divergence in ("forward_kl", "reverse_kl", "jsd"):
         ref = token_losses(student_logits, ids, ref_lp, divergence=divergence, tail="bucket").double()
         got = token_losses(student_logits, ids, got_lp, divergence=divergence, tail="bucket").double()
-        out[divergence] = {"mean_loss": ref.mean().item(), "mean_error": (got.mean() - ref.mean()).abs().item(),
-                           "per_token_error": (got - ref).abs().mean().item()}
+        out[divergence] = {
+            "mean_loss": ref.mean().item(),
+            "mean_error": (got.mean() - ref.mean()).abs().item(),
+            "per_token_error": (got - ref).abs().mean().item(),
+        }
     return out
 
 
@@ -130,85 +133,151 @@ def main() -> None:
     for k in K_VALUES:
         top = torch.topk(t_lp, k)
         ids, lp = top.indices.int().numpy(), top.values.numpy()
-        plain = {dtype: annotated_table(sample_ids=sample_ids, lengths=lengths, topk_ids=ids, topk_logprobs=lp,
-                                        token_logprob=sampled_lp.numpy(), logprob_dtype=dtype)
-                 for dtype in ("float32", "float16")}
+        plain = {
+            dtype: annotated_table(
+                sample_ids=sample_ids,
+                lengths=lengths,
+                topk_ids=ids,
+                topk_logprobs=lp,
+                token_logprob=sampled_lp.numpy(),
+                logprob_dtype=dtype,
+            )
+            for dtype in ("float32", "float16")
+        }
         packed, _ = codec.encode_annotation(plain["float32"], vocab)
         tables = {"float32": plain["float32"], "float16": plain["float16"], "packed": packed}
         for v in (49152, 151936):  # the same parts with ids at a real vocabulary's width
-            wide = annotated_table(sample_ids=sample_ids, lengths=lengths, topk_ids=rng.integers(0, v, size=ids.shape),
-                                   topk_logprobs=lp, token_logprob=sampled_lp.numpy())
+            wide = annotated_table(
+                sample_ids=sample_ids,
+                lengths=lengths,
+                topk_ids=rng.integers(0, v, size=ids.shape),
+                topk_logprobs=lp,
+                token_logprob=sampled_lp.numpy(),
+            )
             tables[f"packed@V={v}"] = codec.encode_annotation(wide, v)[0]
-            tables[f"float16@V={v}"] = annotated_table(sample_ids=sample_ids, lengths=lengths,
-                                                       topk_ids=flat_values(wide["teacher_topk_ids"]), topk_logprobs=lp,
-                                                       token_logprob=sampled_lp.numpy(), logprob_dtype="float16")
+            tables[f"float16@V={v}"] = annotated_table(
+                sample_ids=sample_ids,
+                lengths=lengths,
+                topk_ids=flat_values(wide["teacher_topk_ids"]),
+                topk_logprobs=lp,
+                token_logprob=sampled_lp.numpy(),
+                logprob_dtype="float16",
+            )
         for name, table in tables.items():
             for compression in (None, "zstd"):
-                storage.append({"k": k, "format": name, "compression": compression or "none",
-                                "bytes_per_token": ipc_bytes(table, compression) / tokens})
+                storage.append(
+                    {
+                        "k": k,
+                        "format": name,
+                        "compression": compression or "none",
+                        "bytes_per_token": ipc_bytes(table, compression) / tokens,
+                    }
+                )
 
         decoded = codec.decode_annotation(packed, k, codec.id_bits(vocab))
         ids_t = torch.from_numpy(ids)
         errors[k] = {
-            "float16": loss_errors(s_logits, ids_t, torch.from_numpy(lp),
-                                   torch.from_numpy(lp.astype(np.float16).astype(np.float32))),
-            "packed": loss_errors(s_logits, torch.from_numpy(flat_values(decoded["teacher_topk_ids"]).copy()),
-                                  torch.from_numpy(lp),
-                                  torch.from_numpy(flat_values(decoded["teacher_topk_logprobs"]).copy())),
+            "float16": loss_errors(
+                s_logits, ids_t, torch.from_numpy(lp), torch.from_numpy(lp.astype(np.float16).astype(np.float32))
+            ),
+            "packed": loss_errors(
+                s_logits,
+                torch.from_numpy(flat_values(decoded["teacher_topk_ids"]).copy()),
+                torch.from_numpy(lp),
+                torch.from_numpy(flat_values(decoded["teacher_topk_logprobs"]).copy()),
+            ),
         }
 
         # throughput on the annotations tiled to --tokens positions (rows of the same lengths)
         reps = max(1, args.tokens // tokens)
         big_lengths = np.tile(lengths, reps)
-        big_plain = annotated_table(sample_ids=[f"s{i}" for i in range(len(big_lengths))], lengths=big_lengths,
-                                    topk_ids=np.tile(ids, (reps, 1)), topk_logprobs=np.tile(lp, (reps, 1)),
-                                    token_logprob=np.tile(sampled_lp.numpy(), reps))
+        big_plain = annotated_table(
+            sample_ids=[f"s{i}" for i in range(len(big_lengths))],
+            lengths=big_lengths,
+            topk_ids=np.tile(ids, (reps, 1)),
+            topk_logprobs=np.tile(lp, (reps, 1)),
+            token_logprob=np.tile(sampled_lp.numpy(), reps),
+        )
         big_f16 = big_plain.cast(plain["float16"].schema)
         big_packed, _ = codec.encode_annotation(big_plain, 151936)  # 18-bit ids: the width of a real vocabulary
         n = int(big_lengths.sum())
         f16_to_f32 = best_seconds(lambda: flat_values(big_f16["teacher_topk_logprobs"]).astype(np.float32), args.rounds)
         enc = best_seconds(lambda: codec.encode_annotation(big_plain, 151936), args.rounds)
         dec = best_seconds(lambda: codec.decode_annotation(big_packed, k, 18), args.rounds)
-        speed[k] = {"tokens": n, "encode_tokens_per_s": n / enc, "decode_tokens_per_s": n / dec,
-                    "float16_to_float32_tokens_per_s": n / f16_to_f32}
+        speed[k] = {
+            "tokens": n,
+            "encode_tokens_per_s": n / enc,
+            "decode_tokens_per_s": n / dec,
+            "float16_to_float32_tokens_per_s": n / f16_to_f32,
+        }
 
     print("\n(a) bytes per response token (Arrow IPC stream as stored)")
     formats = list(dict.fromkeys(r["format"] for r in storage))
     print(f"{'format':<20}" + "".join(f"{f'k={k} none':>12}{f'k={k} zstd':>12}" for k in K_VALUES))
     for name in formats:
-        cells = "".join(f"{r['bytes_per_token']:>12.1f}" for k in K_VALUES for r in storage
-                        if r["format"] == name and r["k"] == k)
+        cells = "".join(
+            f"{r['bytes_per_token']:>12.1f}" for k in K_VALUES for r in storage if r["format"] == name and r["k"] == k
+        )
         print(f"{name:<20}{cells}")
     zstd = {(r["k"], r["format"]): r["bytes_per_token"] for r in storage if r["compression"] == "zstd"}
-    print("packed+zstd / float16+zstd: " + ", ".join(
-        f"k={k} V={v}: {zstd[k, 'packed' + at] / zstd[k, 'float16' + at]:.2f}"
-        for k in K_VALUES for v, at in ((vocab, ""), (151936, "@V=151936"))))
+    print(
+        "packed+zstd / float16+zstd: "
+        + ", ".join(
+            f"k={k} V={v}: {zstd[k, 'packed' + at] / zstd[k, 'float16' + at]:.2f}"
+            for k in K_VALUES
+            for v, at in ((vocab, ""), (151936, "@V=151936"))
+        )
+    )
     print("\n(b) loss error vs float32 annotations (nats/token): |mean difference| / mean |per-token difference|")
     print(f"{'k':>3} {'format':<8}" + "".join(f"{d:>26}" for d in ("forward_kl", "reverse_kl", "jsd")))
     for k in K_VALUES:
         for fmt in ("float16", "packed"):
             e = errors[k][fmt]
-            print(f"{k:>3} {fmt:<8}" + "".join(f"{e[d]['mean_error']:>13.2e}{e[d]['per_token_error']:>13.2e}"
-                                               for d in ("forward_kl", "reverse_kl", "jsd")))
-    print("mean float32 loss: " + ", ".join(f"{d}={errors[K_VALUES[0]]['packed'][d]['mean_loss']:.3f}"
-                                            for d in ("forward_kl", "reverse_kl", "jsd")))
+            print(
+                f"{k:>3} {fmt:<8}"
+                + "".join(
+                    f"{e[d]['mean_error']:>13.2e}{e[d]['per_token_error']:>13.2e}"
+                    for d in ("forward_kl", "reverse_kl", "jsd")
+                )
+            )
+    print(
+        "mean float32 loss: "
+        + ", ".join(
+            f"{d}={errors[K_VALUES[0]]['packed'][d]['mean_loss']:.3f}" for d in ("forward_kl", "reverse_kl", "jsd")
+        )
+    )
 
     print("\n(c) throughput, tokens/s (18-bit ids)")
     print(f"{'k':>3}{'encode':>12}{'decode':>12}{'f16->f32':>12}{'decode/f16->f32':>17}")
     for k in K_VALUES:
         s = speed[k]
-        print(f"{k:>3}{s['encode_tokens_per_s']:>12.3g}{s['decode_tokens_per_s']:>12.3g}"
-              f"{s['float16_to_float32_tokens_per_s']:>12.3g}"
-              f"{s['decode_tokens_per_s'] / s['float16_to_float32_tokens_per_s']:>17.3f}")
+        print(
+            f"{k:>3}{s['encode_tokens_per_s']:>12.3g}{s['decode_tokens_per_s']:>12.3g}"
+            f"{s['float16_to_float32_tokens_per_s']:>12.3g}"
+            f"{s['decode_tokens_per_s'] / s['float16_to_float32_tokens_per_s']:>17.3f}"
+        )
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "args": vars(args), "tokens": tokens, "vocab": vocab, "median_top1_p": top1.median().item(),
-        "storage": storage, "loss_errors": {str(k): v for k, v in errors.items()},
-        "throughput": {str(k): v for k, v in speed.items()},
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads()},
-    }, indent=2))
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "tokens": tokens,
+                "vocab": vocab,
+                "median_top1_p": top1.median().item(),
+                "storage": storage,
+                "loss_errors": {str(k): v for k, v in errors.items()},
+                "throughput": {str(k): v for k, v in speed.items()},
+                "machine": {
+                    "platform": platform.platform(),
+                    "python": platform.python_version(),
+                    "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                },
+            },
+            indent=2,
+        )
+    )
     print(f"\nwrote {RESULTS}")
 
 

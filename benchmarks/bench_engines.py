@@ -40,11 +40,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from opd_cache.config import SamplingConfig  # noqa: E402
-from opd_cache.engines.hf_generate import HFGenerator  # noqa: E402
-from opd_cache.engines.hf_score import HFScorer  # noqa: E402
-from opd_cache.models import build_tiny_model, save_causal_lm  # noqa: E402
-from opd_cache.tokenizer import load_tokenizer  # noqa: E402
+from opd_cache.annotate.hf_score import HFScorer
+from opd_cache.config import SamplingConfig
+from opd_cache.models import build_tiny_model, save_causal_lm
+from opd_cache.rollout.hf_generate import HFGenerator
+from opd_cache.tokenizer import load_tokenizer
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_engines.json"
 MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024, max_position_embeddings=512)
@@ -97,11 +97,17 @@ def run_engine(name: str, make_sampler, make_scorer, prompts, n, sampling, respo
             scorer.score(prompt_rows[:2], as_arrays(seqs[:2]), TOP_K)  # warm-up
             scores, score_s = timed(lambda: scorer.score(prompt_rows, as_arrays(seqs), TOP_K))
     rollout_tokens = sum(len(r.token_ids) for r in responses)
-    row = {"engine": name, "start_s": round(start_s + scorer_start_s, 2),
-           "rollout_tokens": rollout_tokens, "rollout_s": round(gen_s, 3),
-           "rollout_tok_per_s": round(rollout_tokens / gen_s, 1),
-           "annotate_tokens": int(scores.num_tokens), "annotate_s": round(score_s, 3),
-           "annotate_tok_per_s": round(scores.num_tokens / score_s, 1), "peak_rss_mib": round(rss.peak / 2**20)}
+    row = {
+        "engine": name,
+        "start_s": round(start_s + scorer_start_s, 2),
+        "rollout_tokens": rollout_tokens,
+        "rollout_s": round(gen_s, 3),
+        "rollout_tok_per_s": round(rollout_tokens / gen_s, 1),
+        "annotate_tokens": int(scores.num_tokens),
+        "annotate_s": round(score_s, 3),
+        "annotate_tok_per_s": round(scores.num_tokens / score_s, 1),
+        "peak_rss_mib": round(rss.peak / 2**20),
+    }
     return row, responses, sampler
 
 
@@ -111,8 +117,8 @@ def main() -> None:
     args = parser.parse_args()
     import vllm
 
-    from opd_cache.engines.vllm_generate import VLLMGenerator
-    from opd_cache.engines.vllm_score import VLLMScorer
+    from opd_cache.annotate.vllm_score import VLLMScorer
+    from opd_cache.rollout.vllm_generate import VLLMGenerator
 
     torch.set_num_threads(1)
     num_prompts, n, max_new = (4, 2, 16) if args.quick else (16, 4, 64)
@@ -122,45 +128,85 @@ def main() -> None:
     prompts = [rng.integers(2, len(tokenizer), size=int(rng.integers(16, 48))).tolist() for _ in range(num_prompts)]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
-        model = build_tiny_model(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id, seed=0, **MODEL)
+        model = build_tiny_model(
+            vocab_size=len(tokenizer),
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            seed=0,
+            **MODEL,
+        )
         params = sum(p.numel() for p in model.parameters())
         save_causal_lm(model, tokenizer, model_dir)
         del model
 
         hf_row, hf_responses, hf_sampler = run_engine(
-            "hf", lambda: HFGenerator(model_dir, tokenizer=tokenizer, device="cpu", dtype="float32",
-                                      eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
-                                      vocab_limit=len(tokenizer)),
-            lambda sampler: HFScorer(sampler.model), prompts, n, sampling, None)
+            "hf",
+            lambda: HFGenerator(
+                model_dir,
+                tokenizer=tokenizer,
+                device="cpu",
+                dtype="float32",
+                eos_token_ids=[tokenizer.eos_token_id],
+                pad_token_id=tokenizer.pad_token_id,
+                vocab_limit=len(tokenizer),
+            ),
+            lambda sampler: HFScorer(sampler.model),
+            prompts,
+            n,
+            sampling,
+            None,
+        )
         scored = [r.token_ids for r in hf_responses]  # both engines score the same sequences
         del hf_sampler
         gc.collect()
         vllm_row, _, vllm_sampler = run_engine(
-            "vllm", lambda: VLLMGenerator(model_dir, dtype="float32", max_logprobs=TOP_K),
+            "vllm",
+            lambda: VLLMGenerator(model_dir, dtype="float32", max_logprobs=TOP_K),
             # the annotate engine as `opd annotate --engine vllm` starts it: its own engine, raw log-probs
             lambda sampler: VLLMScorer(str(model_dir), max_top_k=TOP_K, model_dtype="float32"),
-            prompts, n, sampling, scored)
+            prompts,
+            n,
+            sampling,
+            scored,
+        )
         vllm_sampler._shutdown()
 
     rows = [hf_row, vllm_row]
-    print(f"bench_engines: {params / 1e6:.1f}M parameters, float32, {num_prompts} prompts x n={n} x "
-          f"{max_new} tokens, top-{TOP_K}; torch threads {torch.get_num_threads()}, {os.cpu_count()} cores")
+    print(
+        f"bench_engines: {params / 1e6:.1f}M parameters, float32, {num_prompts} prompts x n={n} x "
+        f"{max_new} tokens, top-{TOP_K}; torch threads {torch.get_num_threads()}, {os.cpu_count()} cores"
+    )
     header = f"{'engine':8s} {'start s':>8s} {'rollout tok/s':>14s} {'annotate tok/s':>15s} {'peak RSS MiB':>13s}"
     print(header)
     for r in rows:
-        print(f"{r['engine']:8s} {r['start_s']:8.1f} {r['rollout_tok_per_s']:14.1f} {r['annotate_tok_per_s']:15.1f} "
-              f"{r['peak_rss_mib']:13d}")
+        print(
+            f"{r['engine']:8s} {r['start_s']:8.1f} {r['rollout_tok_per_s']:14.1f} {r['annotate_tok_per_s']:15.1f} "
+            f"{r['peak_rss_mib']:13d}"
+        )
     ratio = {k: round(vllm_row[k] / hf_row[k], 2) for k in ("rollout_tok_per_s", "annotate_tok_per_s", "peak_rss_mib")}
-    print(f"vllm / hf: rollout {ratio['rollout_tok_per_s']}x, annotate {ratio['annotate_tok_per_s']}x, "
-          f"peak RSS {ratio['peak_rss_mib']}x")
+    print(
+        f"vllm / hf: rollout {ratio['rollout_tok_per_s']}x, annotate {ratio['annotate_tok_per_s']}x, "
+        f"peak RSS {ratio['peak_rss_mib']}x"
+    )
     import transformers
 
-    result = {"rows": rows, "vllm_over_hf": ratio, "parameters": params, "num_prompts": num_prompts, "n": n,
-              "max_new_tokens": max_new, "top_k": TOP_K, "quick": args.quick, "torch_threads": torch.get_num_threads(),
-              "cpu_count": os.cpu_count(), "platform": platform.platform(), "vllm": vllm.__version__,
-              "transformers": transformers.__version__, "torch": torch.__version__,
-              "kv_cache_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"]}
+    result = {
+        "rows": rows,
+        "vllm_over_hf": ratio,
+        "parameters": params,
+        "num_prompts": num_prompts,
+        "n": n,
+        "max_new_tokens": max_new,
+        "top_k": TOP_K,
+        "quick": args.quick,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "vllm": vllm.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "kv_cache_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"],
+    }
     if not args.quick:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(result, indent=2) + "\n")

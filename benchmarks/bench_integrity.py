@@ -47,17 +47,19 @@ import pyarrow as pa
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from opd_cache import integrity  # noqa: E402
-from opd_cache import schema  # noqa: E402
-from opd_cache.schema import ANNOTATED, ShardMeta, read_shard, write_shard  # noqa: E402
-from opd_cache.store import Store, make_shard_id  # noqa: E402
-from opd_cache.train.shard_data import load_shard  # noqa: E402
-from opd_cache.train.synthetic import write_synthetic_shard  # noqa: E402
+from opd_cache import (
+    integrity,
+    schema,
+)
+from opd_cache.schema import ANNOTATED, ShardMeta, read_shard, write_shard
+from opd_cache.store import Store, make_shard_id
+from opd_cache.testing import write_synthetic_shard
+from opd_cache.train.shard_data import load_shard
 
 
 def split_trailer_unverified(data, where):
     """`integrity.split_trailer` without the hash: what a reader without checksums pays."""
-    if len(data) >= integrity.TRAILER_SIZE and bytes(data[len(data) - 8:]) == integrity.TRAILER_MAGIC:
+    if len(data) >= integrity.TRAILER_SIZE and bytes(data[len(data) - 8 :]) == integrity.TRAILER_MAGIC:
         return data[: len(data) - integrity.TRAILER_SIZE], True
     return data, False
 
@@ -104,19 +106,36 @@ def main() -> None:
         run = store.ensure_run(student="s", tokenizer_fingerprint="fp", top_k=args.top_k, teachers={"teacher": "t"})
         shard_ids = [make_shard_id(0, "w00", i) for i in range(args.shards)]
         for i, shard_id in enumerate(shard_ids):
-            write_synthetic_shard(store, run, shard_id, num_rows=args.rows, vocab_size=32000, top_k=args.top_k,
-                                  seed=i, response_len=(args.tokens, args.tokens), prompt_len=(64, 64))
+            write_synthetic_shard(
+                store,
+                run,
+                shard_id,
+                num_rows=args.rows,
+                vocab_size=32000,
+                top_k=args.top_k,
+                seed=i,
+                response_len=(args.tokens, args.tokens),
+                prompt_len=(64, 64),
+            )
         parts = [store.annotated_path(s, "teacher") for s in shard_ids]
-        file_bytes = sum(store.local_path(store.rollout_path(s)).stat().st_size
-                         + store.local_path(p).stat().st_size for s, p in zip(shard_ids, parts))
+        file_bytes = sum(
+            store.local_path(store.rollout_path(s)).stat().st_size + store.local_path(p).stat().st_size
+            for s, p in zip(shard_ids, parts)
+        )
         part_bytes = sum(store.local_path(p).stat().st_size for p in parts)
 
         def load_all():
             for shard_id in shard_ids:
                 data = load_shard(store, run, shard_id, ["teacher"])
                 # the decoder gathers every row of a shard into micro-batches: copy each per-token column once
-                for column in (data.prompt_values, data.response_values, data.behavior_logprobs, data.topk_ids,
-                               data.topk_logprobs, data.token_logprob):
+                for column in (
+                    data.prompt_values,
+                    data.response_values,
+                    data.behavior_logprobs,
+                    data.topk_ids,
+                    data.topk_logprobs,
+                    data.token_logprob,
+                ):
                     np.array(column, copy=True)
 
         def read_parts():
@@ -125,8 +144,10 @@ def main() -> None:
 
         verified = integrity.split_trailer
         load_all(), read_parts()  # page cache warm
-        rounds = {"load_shard+gather": {"verified": [], "unverified": []},
-                  "read_shard": {"verified": [], "unverified": []}}
+        rounds = {
+            "load_shard+gather": {"verified": [], "unverified": []},
+            "read_shard": {"verified": [], "unverified": []},
+        }
         for _ in range(args.rounds):
             for side, fn in (("verified", verified), ("unverified", split_trailer_unverified)):
                 integrity.split_trailer = fn
@@ -136,10 +157,14 @@ def main() -> None:
 
         # (a') the trainer's reader of bench_train.py, same store sizes as there
         sys.path.insert(0, str(ROOT / "benchmarks"))
-        from bench_train import bench_reader, make_store as make_train_store
+        from bench_train import bench_reader
+        from bench_train import make_store as make_train_store
 
-        sizes = dict(shards=2, rows=64, prompt_len=(32, 64), response_len=(32, 96)) if args.quick else \
-            dict(shards=8, rows=512, prompt_len=(64, 128), response_len=(128, 384))
+        sizes = (
+            dict(shards=2, rows=64, prompt_len=(32, 64), response_len=(32, 96))
+            if args.quick
+            else dict(shards=8, rows=512, prompt_len=(64, 128), response_len=(128, 384))
+        )
         train_store = make_train_store(Path(tmp) / "train", vocab=32768, top_k=32, **sizes)
         trainer_reader = {"verified": [], "unverified": []}  # response tokens per CPU-second
         trainer_reader_wall = {"verified": [], "unverified": []}  # bench_train's own figure, tokens per second
@@ -161,7 +186,8 @@ def main() -> None:
         for r in range(args.rounds):
             writes["with trailer"].append(timed(lambda: write_shard(store, f"bench/w{r}.arrow", table, meta), 1))
             writes["before checksums"].append(
-                timed(lambda: write_shard_before_checksums(store, f"bench/o{r}.arrow", table, meta), 1))
+                timed(lambda: write_shard_before_checksums(store, f"bench/o{r}.arrow", table, meta), 1)
+            )
 
         # (c) the hash alone
         buffer = store.read_buffer(parts[0])
@@ -178,28 +204,48 @@ def main() -> None:
         "write_rounds_s": writes,
         "hash_gb_per_s": len(buffer) / hash_s / 1e9,
     }
-    print(f"{args.shards} shards x {args.rows} rows x {args.tokens} tokens, top-{args.top_k} float32 parts: "
-          f"{file_bytes / mb:.1f} MB (parts {part_bytes / mb:.1f} MB)")
+    print(
+        f"{args.shards} shards x {args.rows} rows x {args.tokens} tokens, top-{args.top_k} float32 parts: "
+        f"{file_bytes / mb:.1f} MB (parts {part_bytes / mb:.1f} MB)"
+    )
     print(f"\n{'reader (CPU time)':<18} {'unverified MB/s':>16} {'verified MB/s':>14} {'ratio':>7}")
     summary = {}
     for name, size in (("load_shard+gather", file_bytes), ("read_shard", part_bytes)):
         plain, checked = min(rounds[name]["unverified"]), min(rounds[name]["verified"])
         per_round = [u / v for u, v in zip(rounds[name]["unverified"], rounds[name]["verified"])]
-        summary[name] = {"unverified_mb_s": size / plain / mb, "verified_mb_s": size / checked / mb,
-                         "ratio": plain / checked, "ratio_median_of_rounds": statistics.median(per_round)}
-        print(f"{name:<18} {size / plain / mb:>16,.0f} {size / checked / mb:>14,.0f} {plain / checked:>6.3f}x"
-              f"  (median of rounds {statistics.median(per_round):.3f}x)")
+        summary[name] = {
+            "unverified_mb_s": size / plain / mb,
+            "verified_mb_s": size / checked / mb,
+            "ratio": plain / checked,
+            "ratio_median_of_rounds": statistics.median(per_round),
+        }
+        print(
+            f"{name:<18} {size / plain / mb:>16,.0f} {size / checked / mb:>14,.0f} {plain / checked:>6.3f}x"
+            f"  (median of rounds {statistics.median(per_round):.3f}x)"
+        )
     plain, checked = max(trainer_reader["unverified"]), max(trainer_reader["verified"])
     per_round = [v / u for u, v in zip(trainer_reader["unverified"], trainer_reader["verified"])]
-    summary["trainer_reader"] = {"unverified_tokens_s": plain, "verified_tokens_s": checked, "ratio": checked / plain,
-                                 "ratio_median_of_rounds": statistics.median(per_round)}
-    print(f"{'trainer reader':<18} {plain:>13,.0f} t/s {checked:>11,.0f} t/s {checked / plain:>6.3f}x"
-          f"  (median of rounds {statistics.median(per_round):.3f}x; bench_train.py's reader, tokens/CPU-s)")
+    summary["trainer_reader"] = {
+        "unverified_tokens_s": plain,
+        "verified_tokens_s": checked,
+        "ratio": checked / plain,
+        "ratio_median_of_rounds": statistics.median(per_round),
+    }
+    print(
+        f"{'trainer reader':<18} {plain:>13,.0f} t/s {checked:>11,.0f} t/s {checked / plain:>6.3f}x"
+        f"  (median of rounds {statistics.median(per_round):.3f}x; bench_train.py's reader, tokens/CPU-s)"
+    )
     old, new = min(writes["before checksums"]), min(writes["with trailer"])
-    summary["write"] = {"before_ms": old * 1e3, "with_trailer_ms": new * 1e3, "ratio": new / old,
-                        "part_mb": len(buffer) / mb}
-    print(f"\nwrite one part ({len(buffer) / mb:.1f} MB): before checksums {old * 1e3:.1f} ms, "
-          f"with trailer {new * 1e3:.1f} ms ({new / old:.2f}x)")
+    summary["write"] = {
+        "before_ms": old * 1e3,
+        "with_trailer_ms": new * 1e3,
+        "ratio": new / old,
+        "part_mb": len(buffer) / mb,
+    }
+    print(
+        f"\nwrite one part ({len(buffer) / mb:.1f} MB): before checksums {old * 1e3:.1f} ms, "
+        f"with trailer {new * 1e3:.1f} ms ({new / old:.2f}x)"
+    )
     print(f"xxh3-64 alone: {result['hash_gb_per_s']:.1f} GB/s")
     result["summary"] = summary
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -54,12 +54,12 @@ import pyarrow.fs as pafs
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from opd_cache.annotate import Annotator  # noqa: E402
-from opd_cache.config import AnnotateConfig  # noqa: E402
-from opd_cache.rollout import BacklogGauge  # noqa: E402
-from opd_cache.store import COMPLETE_MARKER, ShardWatch, Store, make_shard_id, parse_shard_id  # noqa: E402
-from opd_cache.train.shard_data import ShardCache  # noqa: E402
-from opd_cache.train.stream import ShardStream  # noqa: E402
+from opd_cache.annotate import Annotator
+from opd_cache.config import AnnotateConfig
+from opd_cache.rollout.pacing import BacklogGauge
+from opd_cache.store import COMPLETE_MARKER, ShardWatch, Store, make_shard_id, parse_shard_id
+from opd_cache.train.shard_data import ShardCache
+from opd_cache.train.stream import ShardStream
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_listing.json"
 WORKERS, PER_VERSION, STALENESS = 4, 8, 2
@@ -126,7 +126,7 @@ def today_annotated_parts(store: Store) -> dict:
     parts: dict[str, set[str]] = {}
     prefix = store.path("annotated") + "/"
     for info in store.list_files("annotated", recursive=True):
-        rel = info.path[len(prefix):]
+        rel = info.path[len(prefix) :]
         if rel.count("/") == 1 and rel.endswith(".arrow"):
             shard_id, teacher = rel[: -len(".arrow")].split("/")
             parts.setdefault(shard_id, set()).add(teacher)
@@ -148,8 +148,9 @@ def today_polls(store: Store) -> dict:
 # ---------------------------------------------------------------- the stages' polls now
 def new_polls(store: Store, latest: int, shard_ids: list[str]) -> dict:
     run = {"run_id": "bench", "teachers": {"teacher": "t"}}
-    stream = ShardStream(store, run, ShardCache(store, run, ["teacher"]), max_staleness=STALENESS, batch_samples=8,
-                         batch_tokens=None)
+    stream = ShardStream(
+        store, run, ShardCache(store, run, ["teacher"]), max_staleness=STALENESS, batch_samples=8, batch_tokens=None
+    )
     annotator = Annotator.__new__(Annotator)  # only what pending_shards reads: no teacher model to load
     annotator.store, annotator.teacher, annotator.max_staleness = store, "teacher", STALENESS
     annotator.cfg = AnnotateConfig(teacher="t")
@@ -182,8 +183,9 @@ class Placeholders:
         if self.layout == "flat":
             rels = [f"rollouts/{shard_id}.arrow"] + ([f"annotated/{shard_id}/teacher.arrow"] if annotated else [])
         else:
-            rels = [self.store.rollout_path(shard_id)] + ([self.store.annotated_path(shard_id, "teacher")]
-                                                          if annotated else [])
+            rels = [self.store.rollout_path(shard_id)] + (
+                [self.store.annotated_path(shard_id, "teacher")] if annotated else []
+            )
         return rels
 
     def put(self, rel: str) -> None:
@@ -228,8 +230,12 @@ def measure(store: Store, poll, repeats: int) -> dict:
                 requests = {**dict(SERVER_LOG.requests), "keys": counting.requests["keys"]}
     finally:
         store.fs = counting.fs
-    return {"ms": min(times) * 1e3, "ms_median": statistics.median(times) * 1e3, "ms_all": [t * 1e3 for t in times],
-            "requests": requests}
+    return {
+        "ms": min(times) * 1e3,
+        "ms_median": statistics.median(times) * 1e3,
+        "ms_all": [t * 1e3 for t in times],
+        "requests": requests,
+    }
 
 
 def empty_prefix_ms(store: Store) -> float:
@@ -305,8 +311,13 @@ def measure_alternating(a: tuple[Store, object], b: tuple[Store, object], repeat
 
     def merged(runs: list[dict]) -> dict:
         times = [r["ms"] for r in runs]
-        return {"ms": min(times), "ms_median": statistics.median(times), "ms_all": times,
-                "requests": runs[-1]["requests"]}
+        return {
+            "ms": min(times),
+            "ms_median": statistics.median(times),
+            "ms_all": times,
+            "requests": runs[-1]["requests"],
+        }
+
     return merged(runs_a), merged(runs_b)
 
 
@@ -320,11 +331,13 @@ def run_backend(name: str, sizes: list[int], make_store) -> list[dict]:
     grown = 0
     for size in sizes:
         tic = time.perf_counter()
-        for layout, (store, placeholders) in stores.items():
+        for _layout, (_store, placeholders) in stores.items():
             latest = placeholders.grow(grown, size)
         grown = size
-        print(f"[{name}] {size:,} shards ({latest + 1:,} versions): placeholders in {time.perf_counter() - tic:.1f} s",
-              flush=True)
+        print(
+            f"[{name}] {size:,} shards ({latest + 1:,} versions): placeholders in {time.perf_counter() - tic:.1f} s",
+            flush=True,
+        )
         flat, _ = stores["flat"]
         partitioned, _ = stores["partitioned"]
         slow = name.startswith("s3") and size >= 8000
@@ -332,21 +345,34 @@ def run_backend(name: str, sizes: list[int], make_store) -> list[dict]:
         new = new_polls(partitioned, latest, [shard_id_of(i) for i in range(size)])
         floor = empty_prefix_ms(partitioned)
         for stage in STAGES:
-            new_ms, reference_ms = measure_alternating((partitioned, new[stage]),
-                                                       (reference, reference_polls[stage]), 15)
-            row = {"backend": name, "shards": size, "versions": latest + 1, "stage": stage,
-                   "today": measure(flat, today[stage], 1 if slow else 3),
-                   "new": new_ms, "new_at_smallest_alternating": reference_ms, "empty_prefix_ms": floor}
+            new_ms, reference_ms = measure_alternating(
+                (partitioned, new[stage]), (reference, reference_polls[stage]), 15
+            )
+            row = {
+                "backend": name,
+                "shards": size,
+                "versions": latest + 1,
+                "stage": stage,
+                "today": measure(flat, today[stage], 1 if slow else 3),
+                "new": new_ms,
+                "new_at_smallest_alternating": reference_ms,
+                "empty_prefix_ms": floor,
+            }
             rows.append(row)
-            print(f"  {stage:8s} today {row['today']['ms']:9.1f} ms {row['today']['requests']}   "
-                  f"new {row['new']['ms']:7.1f} ms {row['new']['requests']}", flush=True)
+            print(
+                f"  {stage:8s} today {row['today']['ms']:9.1f} ms {row['today']['requests']}   "
+                f"new {row['new']['ms']:7.1f} ms {row['new']['requests']}",
+                flush=True,
+            )
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| store | stage | shards | today: ms | today: LIST / keys | new: ms | new: LIST / HEAD / GET / keys "
-             "| new ÷ today (ms) | new ÷ new at 500, timed alternately | one empty LIST, ms |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| store | stage | shards | today: ms | today: LIST / keys | new: ms | new: LIST / HEAD / GET / keys "
+        "| new ÷ today (ms) | new ÷ new at 500, timed alternately | one empty LIST, ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         t, n = r["today"], r["new"]
         tr, nr = t["requests"], n["requests"]
@@ -355,24 +381,30 @@ def table(rows: list[dict]) -> str:
             f"{tr.get('keys', 0):,} | {n['ms']:,.1f} | "
             f"{nr.get('LIST', 0)} / {nr.get('HEAD', 0)} / {nr.get('GET', 0)} / {nr.get('keys', 0)} | "
             f"{n['ms'] / t['ms']:.3f} | {n['ms'] / r['new_at_smallest_alternating']['ms']:.2f} | "
-            f"{r['empty_prefix_ms']:.1f} |")
+            f"{r['empty_prefix_ms']:.1f} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="500 and 2,000 shards only")
-    parser.add_argument("--backends", default="local,s3,s3-indexed",
-                        help="comma-separated: local, s3 (stock moto), s3-indexed (moto listing from a key index)")
+    parser.add_argument(
+        "--backends",
+        default="local,s3,s3-indexed",
+        help="comma-separated: local, s3 (stock moto), s3-indexed (moto listing from a key index)",
+    )
     args = parser.parse_args()
     sizes = [500, 2000] if args.quick else [500, 2000, 8000, 32000]
     started = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-listing-") as tmp:
         if "local" in args.backends:
+
             def local_store(layout):
                 store = Store(Path(tmp) / layout)
                 return store, Placeholders(store, layout)
+
             rows += run_backend("local", sizes, local_store)
         s3_sizes = {"s3-indexed": sizes, "s3": sizes}
         s3_backends = [b for b in ("s3", "s3-indexed") if b in args.backends.split(",")]
@@ -388,6 +420,7 @@ def main() -> None:
                         store = Store(f"s3://{bucket}/run", s3_endpoint=endpoint)
                         store.fs.create_dir(bucket)
                         return store, Placeholders(store, layout, backend)
+
                     rows += run_backend(name, s3_sizes[name], s3_store)
             finally:
                 server.stop()
@@ -400,21 +433,46 @@ def main() -> None:
         largest = max(x["shards"] for x in rows if x["backend"] == r["backend"])
         if r["shards"] != largest:
             continue
-        first = next(x for x in rows if x["shards"] == smallest and x["backend"] == r["backend"]
-                     and x["stage"] == r["stage"])
+        first = next(
+            x for x in rows if x["shards"] == smallest and x["backend"] == r["backend"] and x["stage"] == r["stage"]
+        )
         flat_ms = r["new"]["ms"] / r["new_at_smallest_alternating"]["ms"]
         flat_list = r["new"]["requests"].get("LIST", 0) / max(first["new"]["requests"].get("LIST", 0), 1)
         vs_today = r["new"]["ms"] / r["today"]["ms"]
-        verdicts.append({"backend": r["backend"], "stage": r["stage"], "shards": largest, "new_vs_500_ms": flat_ms,
-                         "new_vs_500_list": flat_list, "new_vs_today_ms": vs_today,
-                         "meets_flat": flat_ms <= 1.5, "meets_vs_today": vs_today <= 0.05})
-        print(f"{r['backend']:10s} {r['stage']:8s} at {largest:,}: {flat_ms:.2f}x the poll at {smallest:,} "
-              f"(LIST requests {flat_list:.2f}x), {vs_today:.4f}x today's  "
-              f"{'ok' if flat_ms <= 1.5 and vs_today <= 0.05 else 'MISSES the target'}")
+        verdicts.append(
+            {
+                "backend": r["backend"],
+                "stage": r["stage"],
+                "shards": largest,
+                "new_vs_500_ms": flat_ms,
+                "new_vs_500_list": flat_list,
+                "new_vs_today_ms": vs_today,
+                "meets_flat": flat_ms <= 1.5,
+                "meets_vs_today": vs_today <= 0.05,
+            }
+        )
+        print(
+            f"{r['backend']:10s} {r['stage']:8s} at {largest:,}: {flat_ms:.2f}x the poll at {smallest:,} "
+            f"(LIST requests {flat_list:.2f}x), {vs_today:.4f}x today's  "
+            f"{'ok' if flat_ms <= 1.5 and vs_today <= 0.05 else 'MISSES the target'}"
+        )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(), "sizes": sizes,
-                                   "shards_per_version": PER_VERSION, "staleness": STALENESS, "rows": rows,
-                                   "verdicts": verdicts, "seconds": time.perf_counter() - started}, indent=2) + "\n")
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "machine": platform.platform(),
+                "cpus": os.cpu_count(),
+                "sizes": sizes,
+                "shards_per_version": PER_VERSION,
+                "staleness": STALENESS,
+                "rows": rows,
+                "verdicts": verdicts,
+                "seconds": time.perf_counter() - started,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"\nwrote {RESULTS} ({time.perf_counter() - started:.0f} s)")
 
 

@@ -73,7 +73,6 @@ def make_inputs(n: int, vocab: int, hidden: int, seed: int = 0):
 
 
 def naive_loss(h, w, ids, logprobs, weights):
-    import torch
 
     logq = (h @ w.t()).log_softmax(-1)
     logq_support = logq.gather(1, ids)

@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from opd_cache.metrics import SEGMENT_BYTES, MetricsLog, read_metrics  # noqa: E402
-from opd_cache.store import Store  # noqa: E402
+from opd_cache.metrics import SEGMENT_BYTES, MetricsLog, read_metrics
+from opd_cache.store import Store
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_metrics.json"
 
@@ -51,13 +51,35 @@ class OldMetricsLog:
 
 
 def trainer_record(step: int) -> dict:
-    return {"step": step, "policy_version": step, "trained_version": step - 1, "lr": 3e-4 * 0.999 ** step,
-            "loss": 6.92 / step, "grad_norm": 1.2345678, "samples": 64, "tokens": 8192, "input_tokens": 12000,
-            "micro_batches": 4, "step_time_s": 0.2512345, "tokens_per_s": 32611.1234, "data_wait_s": 0.0012345,
-            "stream_wait_s": 0.0, "decode_s": 0.0031234, "expired_rows": 0, "expired_total": 0, "lost_total": 0,
-            "lost_shards": 0, "staleness": {"0": 48, "1": 16}, "loss_min": 0.0012345, "loss_max": 12.345678,
-            "teacher_mass_support": 0.99908071756, "student_mass_support": 0.5123456, "topk_overlap": 0.40427741,
-            "teacher_tail_mass": 0.00091925211, "student_tail_mass": 0.4876543}
+    return {
+        "step": step,
+        "policy_version": step,
+        "trained_version": step - 1,
+        "lr": 3e-4 * 0.999**step,
+        "loss": 6.92 / step,
+        "grad_norm": 1.2345678,
+        "samples": 64,
+        "tokens": 8192,
+        "input_tokens": 12000,
+        "micro_batches": 4,
+        "step_time_s": 0.2512345,
+        "tokens_per_s": 32611.1234,
+        "data_wait_s": 0.0012345,
+        "stream_wait_s": 0.0,
+        "decode_s": 0.0031234,
+        "expired_rows": 0,
+        "expired_total": 0,
+        "lost_total": 0,
+        "lost_shards": 0,
+        "staleness": {"0": 48, "1": 16},
+        "loss_min": 0.0012345,
+        "loss_max": 12.345678,
+        "teacher_mass_support": 0.99908071756,
+        "student_mass_support": 0.5123456,
+        "topk_overlap": 0.40427741,
+        "teacher_tail_mass": 0.00091925211,
+        "student_tail_mass": 0.4876543,
+    }
 
 
 def run_flushes(store: Store, which: str, n: int) -> dict:
@@ -81,19 +103,30 @@ def run_flushes(store: Store, which: str, n: int) -> dict:
     read_s = time.perf_counter() - tic
     assert [r["step"] for r in records] == list(range(1, n + 1))
     objects = len(store.list_files("metrics", recursive=True))
-    return {"total_s": total, "tail_ms_per_flush": tail * 1e3, "bytes_written": sum(written), "read_s": read_s,
-            "objects": objects}
+    return {
+        "total_s": total,
+        "tail_ms_per_flush": tail * 1e3,
+        "bytes_written": sum(written),
+        "read_s": read_s,
+        "objects": objects,
+    }
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for key, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test"),
-                       ("AWS_DEFAULT_REGION", "us-east-1")):
+    for key, value in (
+        ("AWS_ACCESS_KEY_ID", "test"),
+        ("AWS_SECRET_ACCESS_KEY", "test"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+    ):
         os.environ[key] = value
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 30
     while time.time() < deadline:
         try:
@@ -132,18 +165,27 @@ def main() -> None:
         moto.wait(timeout=10)
 
     print(f"\nMetrics flushes, one ~700-byte trainer record per flush (SEGMENT_BYTES = {SEGMENT_BYTES:,})\n")
-    print("| store | N flushes | old total | new total | new / old | old last-10% per flush | new | "
-          "old MB written | new MB written | read (new) | objects (new) |")
+    print(
+        "| store | N flushes | old total | new total | new / old | old last-10% per flush | new | "
+        "old MB written | new MB written | read (new) | objects (new) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         old, new = r["old"], r["new"]
-        print(f"| {r['backend']} | {r['n']:,} | {old['total_s']:.2f} s | {new['total_s']:.2f} s | "
-              f"**{new['total_s'] / old['total_s']:.3f}×** | {old['tail_ms_per_flush']:.2f} ms | "
-              f"{new['tail_ms_per_flush']:.2f} ms | {old['bytes_written'] / 1e6:.1f} | "
-              f"{new['bytes_written'] / 1e6:.2f} | {new['read_s'] * 1e3:.0f} ms | {new['objects']} |")
+        print(
+            f"| {r['backend']} | {r['n']:,} | {old['total_s']:.2f} s | {new['total_s']:.2f} s | "
+            f"**{new['total_s'] / old['total_s']:.3f}×** | {old['tail_ms_per_flush']:.2f} ms | "
+            f"{new['tail_ms_per_flush']:.2f} ms | {old['bytes_written'] / 1e6:.1f} | "
+            f"{new['bytes_written'] / 1e6:.2f} | {new['read_s'] * 1e3:.0f} ms | {new['objects']} |"
+        )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(),
-                                   "segment_bytes": SEGMENT_BYTES, "rows": rows}, indent=2) + "\n")
+    RESULTS.write_text(
+        json.dumps(
+            {"machine": platform.platform(), "cpus": os.cpu_count(), "segment_bytes": SEGMENT_BYTES, "rows": rows},
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"\nwrote {RESULTS.relative_to(ROOT)}")
 
 

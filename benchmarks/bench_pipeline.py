@@ -78,12 +78,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from opd_cache.config import Config  # noqa: E402
-from opd_cache.demo import demo_config, ensure_demo_models  # noqa: E402
-from opd_cache.metrics import read_metrics  # noqa: E402
-from opd_cache.report import summarize  # noqa: E402
-from opd_cache.run import sync_overrides, write_resolved_config  # noqa: E402
-from opd_cache.store import Store  # noqa: E402
+from opd_cache.config import Config
+from opd_cache.demo import demo_config, ensure_demo_models
+from opd_cache.metrics import read_metrics
+from opd_cache.report import summarize
+from opd_cache.run import sync_overrides, write_resolved_config
+from opd_cache.store import Store
 
 RESULTS = ROOT / "benchmarks" / "results"
 REPLAY_STALENESS = 1_000_000  # "every row is admissible" (see the docstring)
@@ -101,16 +101,18 @@ PIPELINE = {
 LOSS_RUNS = {  # forward_kl is async-s2
     "k3": ("k3 (sampled token)", [*PIPELINE["async-s2"][1], "train.loss=k3"]),
     "jsd": ("jsd β=0.5, top-8 + bucket", [*PIPELINE["async-s2"][1], "train.loss=jsd", "train.beta=0.5"]),
-    "reverse_kl_union": ("reverse_kl, union support (student top-8)",
-                         [*PIPELINE["async-s2"][1], "train.loss=reverse_kl", "train.support=union",
-                          "rollout.student_topk=8"]),
+    "reverse_kl_union": (
+        "reverse_kl, union support (student top-8)",
+        [*PIPELINE["async-s2"][1], "train.loss=reverse_kl", "train.support=union", "rollout.student_topk=8"],
+    ),
 }
 LOSS_CURVES = {"k3": "k3", "forward_kl": "async-s2", "jsd": "jsd", "reverse_kl_union": "reverse_kl_union"}
 
 
 # ---------------------------------------------------------------------- configs
-def run_config(out: Path, seed: int, sets: list[str], *, steps: int, eval_every_steps: int, mode: str,
-               poll: float | None) -> Config:
+def run_config(
+    out: Path, seed: int, sets: list[str], *, steps: int, eval_every_steps: int, mode: str, poll: float | None
+) -> Config:
     """The demo config with this run's changes, the same number of steps and evaluation cadence for all."""
     # Pinned here, not inherited from the demo config (which may change): a version per step, as --sync does,
     # so that sync and async differ only in how far rollout may run ahead.
@@ -164,9 +166,14 @@ class Clock:
         return False
 
     def record(self, status: int, command: list[str]) -> dict:
-        return {"status": status, "start": self.start, "wall_s": self.wall_s, "cpu_s": self.cpu_s,
-                "load_avg": sum(self.loads) / len(self.loads) if self.loads else os.getloadavg()[0],
-                "command": command}
+        return {
+            "status": status,
+            "start": self.start,
+            "wall_s": self.wall_s,
+            "cpu_s": self.cpu_s,
+            "load_avg": sum(self.loads) / len(self.loads) if self.loads else os.getloadavg()[0],
+            "command": command,
+        }
 
 
 def child_env(threads: int) -> dict:
@@ -184,8 +191,9 @@ def run_pipeline(name: str, out: Path, cfg: Config, *, timeout: float) -> dict:
         argv.append("--sync")
     print(f"[{name}] {' '.join(argv[2:])}", flush=True)
     with Clock() as clock, open(out / "run.log", "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(cfg.run.threads_per_stage),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(cfg.run.threads_per_stage), start_new_session=True
+        )
         try:
             status = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -211,14 +219,27 @@ def run_replay(out: Path, cfg: Config, *, timeout: float) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     env = child_env(cfg.run.threads_per_stage)
     train_argv = [*CLI, "train", "--config", str(config_path), "--no-follow"]
-    eval_argv = [*CLI, "eval", "--model", cfg.store.uri, "--follow", "--every", str(cfg.run.eval_every),
-                 "--config", str(config_path), "--teacher", str(cfg.eval.teacher)]
+    eval_argv = [
+        *CLI,
+        "eval",
+        "--model",
+        cfg.store.uri,
+        "--follow",
+        "--every",
+        str(cfg.run.eval_every),
+        "--config",
+        str(config_path),
+        "--teacher",
+        str(cfg.eval.teacher),
+    ]
     print(f"[replay] {' '.join(train_argv[2:])}  +  {' '.join(eval_argv[2:])}", flush=True)
     with Clock() as clock, open(logs / "train.log", "wb") as train_log, open(logs / "eval.log", "wb") as eval_log:
-        trainer = subprocess.Popen(train_argv, stdout=train_log, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)
-        evaluator = subprocess.Popen(eval_argv, stdout=eval_log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        trainer = subprocess.Popen(
+            train_argv, stdout=train_log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        evaluator = subprocess.Popen(
+            eval_argv, stdout=eval_log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
             status = trainer.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -238,10 +259,16 @@ def measure(store_path: Path, clock: dict) -> dict:
     summary = summarize(store)
     metrics = read_metrics(store)
     train = sorted(metrics.get("train-0", []), key=lambda r: r["step"])
-    rollout_rows = sum(r.get("rows", 0) for name, recs in metrics.items() if name.startswith("rollout-")
-                       for r in recs if "shard" in r)
-    annotated_rows = sum(r.get("rows", 0) for name, recs in metrics.items() if name.startswith("annotate-")
-                         for r in recs if r.get("event") == "annotated")
+    rollout_rows = sum(
+        r.get("rows", 0) for name, recs in metrics.items() if name.startswith("rollout-") for r in recs if "shard" in r
+    )
+    annotated_rows = sum(
+        r.get("rows", 0)
+        for name, recs in metrics.items()
+        if name.startswith("annotate-")
+        for r in recs
+        if r.get("event") == "annotated"
+    )
     step_time = sum(r.get("step_time_s", 0.0) for r in train)
     wait = sum(r.get("data_wait_s", 0.0) for r in train)
     # version v was published by the first step whose record carries policy_version >= v
@@ -268,8 +295,10 @@ def measure(store_path: Path, clock: dict) -> dict:
         "generated_samples": rollout_rows,
         "annotated_samples": annotated_rows,
         "staleness_histogram": summary["staleness_histogram"],
-        "mean_staleness": (sum(int(k) * n for k, n in summary["staleness_histogram"].items())
-                           / max(1, sum(summary["staleness_histogram"].values()))),
+        "mean_staleness": (
+            sum(int(k) * n for k, n in summary["staleness_histogram"].items())
+            / max(1, sum(summary["staleness_histogram"].values()))
+        ),
         "trainer_compute_s": step_time,
         "trainer_data_wait_s": wait,
         "trainer_busy_share": step_time / (step_time + wait) if step_time + wait > 0 else None,
@@ -295,9 +324,11 @@ def pipeline_table(results: dict) -> str:
     def ratio(r, key):
         return _fmt(r[key] / base[key] if r.get(key) and base.get(key) else None, ".2f")
 
-    lines = ["| run | wall s | ×sync | start → last step s | ×sync | s/step (steady) | ×sync | CPU s, all processes "
-             "| ×sync | trainer busy | trainer median step s | load avg |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| run | wall s | ×sync | start → last step s | ×sync | s/step (steady) | ×sync | CPU s, all processes "
+        "| ×sync | trainer busy | trainer median step s | load avg |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name in [*PIPELINE, "replay"]:
         r = results.get(name)
         if r is not None:
@@ -306,42 +337,55 @@ def pipeline_table(results: dict) -> str:
                 f"| {ratio(r, 'time_to_last_step_s')} | {_fmt(r['seconds_per_step'], '.2f')} "
                 f"| {ratio(r, 'seconds_per_step')} | {_fmt(r['cpu_s'], '.0f')} | {ratio(r, 'cpu_s')} "
                 f"| {_fmt(r['trainer_busy_share'], '.0%')} | {_fmt(r['trainer_median_step_s'], '.3f')} "
-                f"| {_fmt(r['load_avg'], '.1f')} |")
+                f"| {_fmt(r['load_avg'], '.1f')} |"
+            )
     return "\n".join(lines)
 
 
 def data_table(results: dict) -> str:
     """What was computed and what it bought: samples, staleness, the final evaluation."""
-    lines = ["| run | generated | annotated | expired | trained | mean staleness | final version | final strict "
-             "| final lenient | final KL |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| run | generated | annotated | expired | trained | mean staleness | final version | final strict "
+        "| final lenient | final KL |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name in [*PIPELINE, "replay", *LOSS_RUNS]:
         r = results.get(name)
         if r is not None:
             f = r["final"] or {}
-            lines.append(f"| {name} | {r['generated_samples']} | {r['annotated_samples']} | {r['expired_samples']} "
-                         f"| {r['trained_samples']} | {r['mean_staleness']:.2f} | {f.get('version')} "
-                         f"| {_fmt(f.get('strict'))} | {_fmt(f.get('lenient'))} | {_fmt(f.get('kl'), '.4f')} |")
+            lines.append(
+                f"| {name} | {r['generated_samples']} | {r['annotated_samples']} | {r['expired_samples']} "
+                f"| {r['trained_samples']} | {r['mean_staleness']:.2f} | {f.get('version')} "
+                f"| {_fmt(f.get('strict'))} | {_fmt(f.get('lenient'))} | {_fmt(f.get('kl'), '.4f')} |"
+            )
     return "\n".join(lines)
 
 
 def loss_table(results: dict) -> str:
-    lines = ["| loss | wall s | strict at v0 | best strict (step) | final strict | final lenient | KL at v0 | "
-             "final KL | KL ↓ |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| loss | wall s | strict at v0 | best strict (step) | final strict | final lenient | KL at v0 | "
+        "final KL | KL ↓ |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for label, name in LOSS_CURVES.items():
         r = results.get(name)
         if r is None or not r["curve"]:
             continue
         first, f = r["curve"][0], r["final"]
         best = max(r["curve"], key=lambda e: (e["strict"], -(e["step"] or 0)))
-        lines.append(f"| {label} | {r['wall_s']:.0f} | {first['strict']:.3f} | {best['strict']:.3f} ({best['step']}) "
-                     f"| {f['strict']:.3f} | {f['lenient']:.3f} | {first['kl']:.3f} | {f['kl']:.4f} "
-                     f"| {first['kl'] / max(f['kl'], 1e-12):.1f}× |")
+        lines.append(
+            f"| {label} | {r['wall_s']:.0f} | {first['strict']:.3f} | {best['strict']:.3f} ({best['step']}) "
+            f"| {f['strict']:.3f} | {f['lenient']:.3f} | {first['kl']:.3f} | {f['kl']:.4f} "
+            f"| {first['kl'] / max(f['kl'], 1e-12):.1f}× |"
+        )
     return "\n".join(lines)
 
 
 def staleness_table(results: dict) -> str:
-    lines = ["| run | staleness of trained rows (versions: rows) | trainer compute s | trainer data wait s |",
-             "|---|---|---:|---:|"]
+    lines = [
+        "| run | staleness of trained rows (versions: rows) | trainer compute s | trainer data wait s |",
+        "|---|---|---:|---:|",
+    ]
     for name in [*PIPELINE, "replay", *LOSS_RUNS]:
         r = results.get(name)
         if r is not None:
@@ -368,13 +412,19 @@ def plot(results: dict, names: dict[str, str], path: Path, title: str, with_time
         axes[1].plot(steps, [e["kl"] for e in pts], "o-", ms=3, label=label)
         if with_time:
             axes[2].plot([e["train_time_s"] for e in pts], [e["kl"] for e in pts], "o-", ms=3, label=label)
-    axes[0].set(xlabel="optimizer step", ylabel="strict accuracy (#### N)", ylim=(-0.02, 1.02),
-                title="held-out strict accuracy")
-    axes[1].set(xlabel="optimizer step", ylabel="KL(teacher‖student) per token", yscale="log",
-                title="held-out KL vs step")
+    axes[0].set(
+        xlabel="optimizer step", ylabel="strict accuracy (#### N)", ylim=(-0.02, 1.02), title="held-out strict accuracy"
+    )
+    axes[1].set(
+        xlabel="optimizer step", ylabel="KL(teacher‖student) per token", yscale="log", title="held-out KL vs step"
+    )
     if with_time:
-        axes[2].set(xlabel="seconds since the run started", ylabel="KL per token", yscale="log",
-                    title="held-out KL vs wall time")
+        axes[2].set(
+            xlabel="seconds since the run started",
+            ylabel="KL per token",
+            yscale="log",
+            title="held-out KL vs wall time",
+        )
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -388,16 +438,23 @@ def plot(results: dict, names: dict[str, str], path: Path, title: str, with_time
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="40 steps per run, eval every 10: a smoke run")
-    parser.add_argument("--steps", type=int, help="optimizer steps per run (default 600, as in docs/benchmarks.md; 40 with --quick)")
+    parser.add_argument(
+        "--steps", type=int, help="optimizer steps per run (default 600, as in docs/benchmarks.md; 40 with --quick)"
+    )
     parser.add_argument("--eval-every", type=int, help="evaluate every N steps (default 25; 10 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--poll", type=float, default=None,
-                        help="poll_seconds of rollout, annotate and train (default: the demo config's)")
+    parser.add_argument(
+        "--poll",
+        type=float,
+        default=None,
+        help="poll_seconds of rollout, annotate and train (default: the demo config's)",
+    )
     parser.add_argument("--out", type=Path, help="folder for the runs' stores and logs (default: a temp folder)")
     parser.add_argument("--only", nargs="*", help="a subset of runs (replay needs async-s2)")
     parser.add_argument("--keep", action="store_true", help="keep the runs' stores")
-    parser.add_argument("--results", type=Path,
-                        help="where the JSON and plots go (default: benchmarks/results, or --out with --quick)")
+    parser.add_argument(
+        "--results", type=Path, help="where the JSON and plots go (default: benchmarks/results, or --out with --quick)"
+    )
     args = parser.parse_args()
     steps = args.steps or (40 if args.quick else 600)
     eval_every = args.eval_every or (10 if args.quick else 25)
@@ -423,25 +480,43 @@ def main() -> None:
                 print(f"[replay] skipped: {source} holds no run (run {REPLAY_SOURCE} first)")
                 continue
             make_replay_store(source, run_dir / "store")
-            cfg = run_config(run_dir, args.seed, [*PIPELINE[REPLAY_SOURCE][1], f"train.max_staleness={REPLAY_STALENESS}"],
-                             steps=steps, eval_every_steps=eval_every, mode="async", poll=args.poll)
+            cfg = run_config(
+                run_dir,
+                args.seed,
+                [*PIPELINE[REPLAY_SOURCE][1], f"train.max_staleness={REPLAY_STALENESS}"],
+                steps=steps,
+                eval_every_steps=eval_every,
+                mode="async",
+                poll=args.poll,
+            )
             clock = run_replay(run_dir, cfg, timeout=timeout)
         else:
             description, sets, mode = PIPELINE.get(name) or (*LOSS_RUNS[name], "async")
-            cfg = run_config(run_dir, args.seed, sets, steps=steps, eval_every_steps=eval_every, mode=mode,
-                             poll=args.poll)
+            cfg = run_config(
+                run_dir, args.seed, sets, steps=steps, eval_every_steps=eval_every, mode=mode, poll=args.poll
+            )
             clock = run_pipeline(name, run_dir, cfg, timeout=timeout)
         record = measure(run_dir / "store", clock)
-        record["config"] = {"loss": cfg.train.loss, "tail": cfg.train.tail, "support": cfg.train.support,
-                            "beta": cfg.train.beta, "student_topk": cfg.rollout.student_topk,
-                            "max_staleness": cfg.train.max_staleness, "publish_every": cfg.train.publish_every,
-                            "max_buffer_samples": cfg.rollout.max_buffer_samples, "eval_every": cfg.run.eval_every,
-                            "resolved": cfg.model_dump(mode="json")}
+        record["config"] = {
+            "loss": cfg.train.loss,
+            "tail": cfg.train.tail,
+            "support": cfg.train.support,
+            "beta": cfg.train.beta,
+            "student_topk": cfg.rollout.student_topk,
+            "max_staleness": cfg.train.max_staleness,
+            "publish_every": cfg.train.publish_every,
+            "max_buffer_samples": cfg.rollout.max_buffer_samples,
+            "eval_every": cfg.run.eval_every,
+            "resolved": cfg.model_dump(mode="json"),
+        }
         results[name] = record
         f = record["final"] or {}
-        print(f"[{name}] status {record['status']}, {record['wall_s']:.0f} s, {record['steps']} steps, "
-              f"{record['trained_samples']} samples, busy {_fmt(record['trainer_busy_share'], '.0%')}, "
-              f"final v{f.get('version')} strict {_fmt(f.get('strict'))} KL {_fmt(f.get('kl'), '.4f')}", flush=True)
+        print(
+            f"[{name}] status {record['status']}, {record['wall_s']:.0f} s, {record['steps']} steps, "
+            f"{record['trained_samples']} samples, busy {_fmt(record['trainer_busy_share'], '.0%')}, "
+            f"final v{f.get('version')} strict {_fmt(f.get('strict'))} KL {_fmt(f.get('kl'), '.4f')}",
+            flush=True,
+        )
         if record["status"] != 0:
             print(f"[{name}] FAILED: see {run_dir / 'logs'} and {run_dir / 'run.log'}", flush=True)
 
@@ -466,13 +541,23 @@ def main() -> None:
     plots = []
     if any(n in results for n in [*PIPELINE, "replay"]):
         p = results_dir / "pipeline_pipeline.png"
-        plot(results, {n: n for n in [*PIPELINE, "replay"]}, p,
-             f"sync vs async vs replay — forward KL, top-8 + bucket, {steps} steps × 64 samples", with_time=True)
+        plot(
+            results,
+            {n: n for n in [*PIPELINE, "replay"]},
+            p,
+            f"sync vs async vs replay — forward KL, top-8 + bucket, {steps} steps × 64 samples",
+            with_time=True,
+        )
         plots.append(p)
     if any(n in results for n in LOSS_CURVES.values()):
         p = results_dir / "pipeline_losses.png"
-        plot(results, LOSS_CURVES, p, f"losses on the demo task (async, max_staleness 2), {steps} steps × 64 samples",
-             with_time=False)
+        plot(
+            results,
+            LOSS_CURVES,
+            p,
+            f"losses on the demo task (async, max_staleness 2), {steps} steps × 64 samples",
+            with_time=False,
+        )
         plots.append(p)
 
     print(f"\n## Pipeline ({steps} steps × 64 samples, eval every {eval_every} steps; total {total / 60:.1f} min)\n")

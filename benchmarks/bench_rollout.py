@@ -78,46 +78,72 @@ def run_generate(args) -> dict:
     tokens = 0
     torch.manual_seed(0)
     for b in range(0, len(prompts), spec["batch_prompts"]):
-        batch = prompts[b: b + spec["batch_prompts"]]
+        batch = prompts[b : b + spec["batch_prompts"]]
         width = max(len(p) for p in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                 top_p=1.0, max_new_tokens=max_new, num_return_sequences=n, pad_token_id=pad,
-                                 eos_token_id=eos)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max_new,
+                num_return_sequences=n,
+                pad_token_id=pad,
+                eos_token_id=eos,
+            )
         new = out[:, width:]
         is_eos = (new == eos).int()
         # a row's response runs up to and including its first EOS
         first_eos = torch.where(is_eos.any(1), is_eos.argmax(1) + 1, torch.full((len(new),), new.shape[1]))
         tokens += int(first_eos.sum())
     seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
-    return {"seconds": seconds, "cpu_seconds": cpu, "tokens": tokens, "samples": len(prompts) * n,
-            "peak_rss_mib": peak_rss_mib()}
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "tokens": tokens,
+        "samples": len(prompts) * n,
+        "peak_rss_mib": peak_rss_mib(),
+    }
 
 
 def run_rollout_side(args) -> dict:
+    import pandas  # noqa: F401  (pyarrow imports it lazily on the first parquet read)
     import torch
 
+    import opd_cache.rollout.hf_generate  # noqa: F401  (run_rollout imports its engine lazily)
     from opd_cache.config import RolloutConfig, SamplingConfig
     from opd_cache.rollout import run_rollout
     from opd_cache.store import Store
-    import opd_cache.engines.hf_generate  # noqa: F401  (run_rollout imports its engine lazily)
-    import pandas  # noqa: F401  (pyarrow imports it lazily on the first parquet read)
 
     import_model_code()
     torch.set_num_threads(args.threads)
     spec = json.loads(Path(args.spec).read_text())
-    cfg = RolloutConfig(student=spec["model"], prompts=spec["prompt_file"], n=spec["n"],
-                        sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"]),
-                        batch_prompts=spec["batch_prompts"], flush_rows=spec["batch_prompts"] * spec["n"],
-                        max_samples=len(spec["prompts"]) * spec["n"], device="cpu")
+    cfg = RolloutConfig(
+        student=spec["model"],
+        prompts=spec["prompt_file"],
+        n=spec["n"],
+        sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"]),
+        batch_prompts=spec["batch_prompts"],
+        flush_rows=spec["batch_prompts"] * spec["n"],
+        max_samples=len(spec["prompts"]) * spec["n"],
+        device="cpu",
+    )
     with tempfile.TemporaryDirectory() as store_dir:
         start, cpu_start = time.perf_counter(), cpu_seconds()
         result = run_rollout(cfg, Store(store_dir))
         seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
-    return {"seconds": seconds, "cpu_seconds": cpu, "tokens": result.tokens, "samples": result.samples, "shards": len(result.shards),
-            "peak_rss_mib": peak_rss_mib()}
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "tokens": result.tokens,
+        "samples": result.samples,
+        "shards": len(result.shards),
+        "peak_rss_mib": peak_rss_mib(),
+    }
 
 
 # ---------------------------------------------------------------- the driver
@@ -139,25 +165,37 @@ def prepare(workdir: Path, num_prompts: int, n: int, max_new: int, batch_prompts
         pq.write_table(pq.read_table(source).slice(0, num_prompts), prompt_file)
     else:  # a checkout without the shipped data: synthetic questions of varied length
         prompt_file = workdir / "prompts.jsonl"
-        prompt_file.write_text("".join(json.dumps({"question": f"What is {i} + {3 * i % 97}?"}) + "\n"
-                                       for i in range(num_prompts)))
+        prompt_file.write_text(
+            "".join(json.dumps({"question": f"What is {i} + {3 * i % 97}?"}) + "\n" for i in range(num_prompts))
+        )
     prompts = load_prompts(prompt_file, tokenizer)
     # The worker visits prompts in its seeded order; the baseline gets the same prompts in that order.
-    from opd_cache.rollout import PromptStream
+    from opd_cache.rollout.prompt_stream import PromptStream
 
     order = PromptStream(len(prompts), 0, "w00").take(0, len(prompts))
-    spec = {"model": str(model_dir), "prompt_file": str(prompt_file), "n": n, "max_new_tokens": max_new,
-            "batch_prompts": batch_prompts, "prompts": [prompts.prompt_ids[i] for i in order],
-            "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
-            "parameters": sum(p.numel() for p in model.parameters())}
+    spec = {
+        "model": str(model_dir),
+        "prompt_file": str(prompt_file),
+        "n": n,
+        "max_new_tokens": max_new,
+        "batch_prompts": batch_prompts,
+        "prompts": [prompts.prompt_ids[i] for i in order],
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     path = workdir / "spec.json"
     path.write_text(json.dumps(spec))
     return path
 
 
 def measure(side: str, spec: Path, threads: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--side", side, "--spec", str(spec), "--threads", str(threads)],
-                         capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, __file__, "--side", side, "--spec", str(spec), "--threads", str(threads)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{side} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -191,10 +229,12 @@ def main() -> None:
             for side in ("generate", "rollout"):
                 rounds[side].append(measure(side, spec_path, args.threads))
                 m = rounds[side][-1]
-                print(f"round {r + 1} {side:8s}: {m['tokens'] / m['seconds']:7.1f} tok/s "
-                      f"({m['tokens'] / m['cpu_seconds']:7.1f} per CPU-second)  "
-                      f"{m['peak_rss_mib']:6.0f} MiB peak  ({m['tokens']} tokens in {m['seconds']:.1f} s)",
-                      flush=True)
+                print(
+                    f"round {r + 1} {side:8s}: {m['tokens'] / m['seconds']:7.1f} tok/s "
+                    f"({m['tokens'] / m['cpu_seconds']:7.1f} per CPU-second)  "
+                    f"{m['peak_rss_mib']:6.0f} MiB peak  ({m['tokens']} tokens in {m['seconds']:.1f} s)",
+                    flush=True,
+                )
 
     def ratio_row(label: str, values: dict, ratio: float, target: str = "", met: bool | None = None) -> str:
         verdict = "" if met is None else ("  ok" if met else "  MISSED")
@@ -207,17 +247,21 @@ def main() -> None:
     best_tps = per_side(lambda ms: max(m["tokens"] / m["seconds"] for m in ms))
     median_tps = per_side(lambda ms: statistics.median(m["tokens"] / m["seconds"] for m in ms))
     peak = per_side(lambda ms: min(m["peak_rss_mib"] for m in ms))
-    ratios = {"throughput": cpu_tps["rollout"] / cpu_tps["generate"],
-              "throughput_wall_best": best_tps["rollout"] / best_tps["generate"],
-              "throughput_wall_median": median_tps["rollout"] / median_tps["generate"],
-              "peak_rss": peak["rollout"] / peak["generate"]}
+    ratios = {
+        "throughput": cpu_tps["rollout"] / cpu_tps["generate"],
+        "throughput_wall_best": best_tps["rollout"] / best_tps["generate"],
+        "throughput_wall_median": median_tps["rollout"] / median_tps["generate"],
+        "peak_rss": peak["rollout"] / peak["generate"],
+    }
     targets = {"throughput": ">= 0.85", "peak_rss": "<= 1.2"}
     met = {"throughput": ratios["throughput"] >= 0.85, "peak_rss": ratios["peak_rss"] <= 1.2}
 
     print()
-    print(f"{spec['parameters'] / 1e6:.1f}M-parameter model, {args.prompts} prompts x n={args.n}, "
-          f"{args.max_new_tokens} new tokens, batch {args.batch_prompts} prompts, {args.threads} thread(s), "
-          f"{args.repeats} rounds")
+    print(
+        f"{spec['parameters'] / 1e6:.1f}M-parameter model, {args.prompts} prompts x n={args.n}, "
+        f"{args.max_new_tokens} new tokens, batch {args.batch_prompts} prompts, {args.threads} thread(s), "
+        f"{args.repeats} rounds"
+    )
     print(f"{'':22s}{'generate':>10s}{'rollout':>10s}{'ratio':>8s}{'target':>9s}")
     print(ratio_row("tokens/CPU-s, median", cpu_tps, ratios["throughput"], targets["throughput"], met["throughput"]))
     print(ratio_row("tokens/s wall, best", best_tps, ratios["throughput_wall_best"]))
@@ -225,16 +269,35 @@ def main() -> None:
     print(ratio_row("peak RSS MiB", peak, ratios["peak_rss"], targets["peak_rss"], met["peak_rss"]))
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "benchmark": "bench_rollout",
-        "settings": {"prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
-                     "batch_prompts": args.batch_prompts, "threads": args.threads, "repeats": args.repeats,
-                     "model_parameters": spec["parameters"], "model": MODEL, "device": "cpu"},
-        "tokens_per_cpu_second_median": cpu_tps, "tokens_per_s_best": best_tps, "tokens_per_s_median": median_tps,
-        "peak_rss_mib": peak, "ratios": ratios,
-        "targets": targets, "met": met,
-        "rounds": rounds, "machine": {"python": platform.python_version(), "platform": platform.platform()},
-    }, indent=2) + "\n")
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "benchmark": "bench_rollout",
+                "settings": {
+                    "prompts": args.prompts,
+                    "n": args.n,
+                    "max_new_tokens": args.max_new_tokens,
+                    "batch_prompts": args.batch_prompts,
+                    "threads": args.threads,
+                    "repeats": args.repeats,
+                    "model_parameters": spec["parameters"],
+                    "model": MODEL,
+                    "device": "cpu",
+                },
+                "tokens_per_cpu_second_median": cpu_tps,
+                "tokens_per_s_best": best_tps,
+                "tokens_per_s_median": median_tps,
+                "peak_rss_mib": peak,
+                "ratios": ratios,
+                "targets": targets,
+                "met": met,
+                "rounds": rounds,
+                "machine": {"python": platform.python_version(), "platform": platform.platform()},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"\nwrote {RESULTS.relative_to(ROOT)}")
 
 

@@ -40,23 +40,33 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from opd_cache.store import Store, make_shard_id  # noqa: E402
-from opd_cache.train.loader import BatchLoader  # noqa: E402
-from opd_cache.train.microbatch import decode_rows  # noqa: E402
-from opd_cache.train.shard_data import ShardCache  # noqa: E402
-from opd_cache.train.stream import ShardStream, StreamEnd, assign_ranks  # noqa: E402
-from opd_cache.train.synthetic import write_synthetic_shard  # noqa: E402
+from opd_cache.store import Store, make_shard_id
+from opd_cache.testing import write_synthetic_shard
+from opd_cache.train.loader import BatchLoader
+from opd_cache.train.microbatch import decode_rows
+from opd_cache.train.shard_data import ShardCache
+from opd_cache.train.stream import ShardStream, StreamEnd, assign_ranks
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_train.json"
 
 
 def make_store(root: Path, *, shards: int, rows: int, vocab: int, top_k: int, prompt_len, response_len) -> Store:
     store = Store(root)
-    run = store.ensure_run(student="bench", tokenizer_fingerprint="fp-bench", vocab_size=vocab, top_k=top_k,
-                           teachers={"teacher": "bench"})
+    run = store.ensure_run(
+        student="bench", tokenizer_fingerprint="fp-bench", vocab_size=vocab, top_k=top_k, teachers={"teacher": "bench"}
+    )
     for seq in range(shards):
-        write_synthetic_shard(store, run, make_shard_id(0, "w00", seq), num_rows=rows, vocab_size=vocab, top_k=top_k,
-                              seed=seq, prompt_len=prompt_len, response_len=response_len)
+        write_synthetic_shard(
+            store,
+            run,
+            make_shard_id(0, "w00", seq),
+            num_rows=rows,
+            vocab_size=vocab,
+            top_k=top_k,
+            seed=seq,
+            prompt_len=prompt_len,
+            response_len=response_len,
+        )
     return store
 
 
@@ -72,9 +82,17 @@ def decode_batch(batch, cache, ranks: int):
         for m in range(batch.num_micro):
             sel = np.nonzero((batch.rank_of_row == rank) & (batch.micro_of_row == m))[0]
             if len(sel):
-                out.append(decode_rows(cache, batch.shard_ids, batch.row_shard[sel], batch.row_index[sel],
-                                       aggregation="token-mean", global_tokens=batch.response_tokens,
-                                       global_seqs=batch.global_seqs))
+                out.append(
+                    decode_rows(
+                        cache,
+                        batch.shard_ids,
+                        batch.row_shard[sel],
+                        batch.row_index[sel],
+                        aggregation="token-mean",
+                        global_tokens=batch.response_tokens,
+                        global_seqs=batch.global_seqs,
+                    )
+                )
     return out
 
 
@@ -99,8 +117,11 @@ def bench_reader(store: Store, *, batch_samples: int, ranks: int, micro_tokens: 
         t0 = time.perf_counter()
         tokens = sum(mb.num_tokens for batch in batches for mb in decode_batch(batch, cache, ranks))
         warm.append(tokens / (time.perf_counter() - t0))
-    return {"reader_tokens_per_s": statistics.median(full), "decode_tokens_per_s": statistics.median(warm),
-            "response_tokens": tokens}
+    return {
+        "reader_tokens_per_s": statistics.median(full),
+        "decode_tokens_per_s": statistics.median(warm),
+        "response_tokens": tokens,
+    }
 
 
 def bench_steps(store: Store, *, steps: int, batch_samples: int, micro_tokens: int, vocab: int, rounds: int) -> dict:
@@ -110,8 +131,17 @@ def bench_steps(store: Store, *, steps: int, batch_samples: int, micro_tokens: i
 
     def loader():
         stream, cache = stream_of(store, batch_samples)
-        return BatchLoader(cache=cache, stream=stream, rank=0, world_size=1, first_step=1, max_steps=steps,
-                           version_of_step=lambda s: 0, micro_batch_tokens=micro_tokens, aggregation="token-mean")
+        return BatchLoader(
+            cache=cache,
+            stream=stream,
+            rank=0,
+            world_size=1,
+            first_step=1,
+            max_steps=steps,
+            version_of_step=lambda s: 0,
+            micro_batch_tokens=micro_tokens,
+            aggregation="token-mean",
+        )
 
     def train(next_step) -> list[float]:
         model = build_tiny_model(vocab_size=vocab, hidden_size=128, num_layers=2, intermediate_size=512, seed=0)
@@ -132,6 +162,7 @@ def bench_steps(store: Store, *, steps: int, batch_samples: int, micro_tokens: i
 
     results = {"preloaded": [], "streaming": []}
     ratios = []
+
     def preloaded_run() -> list[float]:
         ld = loader().start()
         batches = iter([ld.get() for _ in range(steps)])
@@ -153,10 +184,13 @@ def bench_steps(store: Store, *, steps: int, batch_samples: int, micro_tokens: i
         results["preloaded"] += pre
         results["streaming"] += stream
         ratios.append(statistics.median(stream) / statistics.median(pre))
-    return {"step_s_preloaded": statistics.median(results["preloaded"]),
-            "step_s_streaming": statistics.median(results["streaming"]),
-            "ratio": statistics.median(ratios), "ratio_per_round": ratios,
-            "steps_measured": len(results["streaming"])}
+    return {
+        "step_s_preloaded": statistics.median(results["preloaded"]),
+        "step_s_streaming": statistics.median(results["streaming"]),
+        "ratio": statistics.median(ratios),
+        "ratio_per_round": ratios,
+        "steps_measured": len(results["streaming"]),
+    }
 
 
 def main() -> None:
@@ -198,14 +232,31 @@ def main() -> None:
     for name, value, target in rows:
         print(f"{name.ljust(width)}  {value:>14}  {target}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "quick": args.quick, "machine": platform.platform(), "torch_threads": torch.get_num_threads(),
-        "reader": {**read, "vocab": vocab, "top_k": top_k, "ranks": 8, **{k: list(v) if isinstance(v, tuple) else v
-                                                                           for k, v in reader.items()}},
-        "steps": {**step, "vocab": train_vocab, **{k: list(v) if isinstance(v, tuple) else v for k, v in steps.items()},
-                  **step_cfg},
-        "targets": {"reader_tokens_per_s": 1_000_000, "streaming_over_preloaded": 1.05},
-    }, indent=2) + "\n")
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "quick": args.quick,
+                "machine": platform.platform(),
+                "torch_threads": torch.get_num_threads(),
+                "reader": {
+                    **read,
+                    "vocab": vocab,
+                    "top_k": top_k,
+                    "ranks": 8,
+                    **{k: list(v) if isinstance(v, tuple) else v for k, v in reader.items()},
+                },
+                "steps": {
+                    **step,
+                    "vocab": train_vocab,
+                    **{k: list(v) if isinstance(v, tuple) else v for k, v in steps.items()},
+                    **step_cfg,
+                },
+                "targets": {"reader_tokens_per_s": 1_000_000, "streaming_over_preloaded": 1.05},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {RESULTS.relative_to(ROOT)}")
 
 

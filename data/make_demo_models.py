@@ -86,7 +86,9 @@ def supervise(model, input_ids, labels, steps: int, batch_size: int, lr: float, 
 
 
 @torch.no_grad()
-def eval_greedy(model, tokenizer, prompts: PromptSet, max_new_tokens: int = MAX_NEW_TOKENS, batch_size: int = 512) -> dict:
+def eval_greedy(
+    model, tokenizer, prompts: PromptSet, max_new_tokens: int = MAX_NEW_TOKENS, batch_size: int = 512
+) -> dict:
     """Greedy decoding on every prompt; mean strict and lenient accuracy with each row's reward function."""
     totals = {"strict": 0, "lenient": 0}
     for start in range(0, len(prompts), batch_size):
@@ -133,8 +135,15 @@ def main() -> None:
     start = time.time()
     for name, spec in specs.items():
         model = build_tiny_model(
-            "llama", len(tokenizer), hidden_size=64, num_layers=spec["num_layers"], num_heads=4,
-            intermediate_size=256, tie_word_embeddings=True, seed=spec["seed"], **special,
+            "llama",
+            len(tokenizer),
+            hidden_size=64,
+            num_layers=spec["num_layers"],
+            num_heads=4,
+            intermediate_size=256,
+            tie_word_embeddings=True,
+            seed=spec["seed"],
+            **special,
         )
         input_ids, labels = make_batch_tensors(train, tokenizer, spec["answer_format"])
         supervise(model, input_ids, labels, spec["steps"], args.batch_size, args.lr, spec["seed"], name)
@@ -144,7 +153,9 @@ def main() -> None:
         accuracy = eval_greedy(load_causal_lm(out), load_tokenizer(out), test)
         params = sum(p.numel() for p in model.parameters())
         results[name] = {"params": params, "layers": spec["num_layers"], "steps": spec["steps"], **accuracy}
-        print(f"{name}: {params} parameters, held-out strict {accuracy['strict']:.3f}, lenient {accuracy['lenient']:.3f}")
+        print(
+            f"{name}: {params} parameters, held-out strict {accuracy['strict']:.3f}, lenient {accuracy['lenient']:.3f}"
+        )
     elapsed = time.time() - start
     print(f"done in {elapsed:.0f} s")
     write_readme(args, results, elapsed, len(test))

@@ -37,8 +37,15 @@ import math
 import numpy as np
 import pyarrow as pa
 
-from opd_cache.schema import (ShardError, annotated_schema, flat_values, list_lengths, offsets_from_lengths, ragged,
-                              ragged_fixed)
+from opd_cache.schema import (
+    ShardError,
+    annotated_schema,
+    flat_values,
+    list_lengths,
+    offsets_from_lengths,
+    ragged,
+    ragged_fixed,
+)
 
 CODEC_VERSION = 1
 CODECS = ("none", "packed")
@@ -211,8 +218,10 @@ def codec_of(metadata: dict[str, str], where: str) -> tuple[str, int]:
         raise CodecError(f"{where}: unknown annotation codec {codec!r} (this opd_cache reads {', '.join(CODECS)})")
     version = int(metadata.get(META_CODEC_VERSION, "-1"))
     if version > CODEC_VERSION:
-        raise CodecError(f"{where}: packed codec version {version} is newer than this opd_cache reads "
-                         f"(version {CODEC_VERSION}); upgrade opd_cache")
+        raise CodecError(
+            f"{where}: packed codec version {version} is newer than this opd_cache reads "
+            f"(version {CODEC_VERSION}); upgrade opd_cache"
+        )
     if version < 1:
         raise CodecError(f"{where}: packed codec without a valid '{META_CODEC_VERSION}' ({version})")
     bits = int(metadata.get(META_ID_BITS, "0"))
@@ -230,9 +239,11 @@ def check_packed(table: pa.Table, top_k: int, bits: int, where: str) -> None:
         got = table.schema.field(field.name).type
         if got != field.type:
             if pa.types.is_list(got) and pa.types.is_fixed_size_binary(got.value_type):
-                raise CodecError(f"{where}: packed column {field.name!r} is truncated: "
-                                 f"{got.value_type.byte_width} bytes per position, expected "
-                                 f"{field.type.value_type.byte_width} (k={top_k}, {bits}-bit ids)")
+                raise CodecError(
+                    f"{where}: packed column {field.name!r} is truncated: "
+                    f"{got.value_type.byte_width} bytes per position, expected "
+                    f"{field.type.value_type.byte_width} (k={top_k}, {bits}-bit ids)"
+                )
             raise CodecError(f"{where}: packed column {field.name!r} has type {got}, expected {field.type}")
 
 
@@ -242,16 +253,18 @@ def _binary_rows(column: pa.ChunkedArray, width: int) -> np.ndarray:
     inner = array.flatten()
     data = np.frombuffer(inner.buffers()[1], dtype=np.uint8)
     start = inner.offset * width
-    return data[start:start + len(inner) * width].reshape(-1, width)
+    return data[start : start + len(inner) * width].reshape(-1, width)
 
 
 def decode_annotation(table: pa.Table, top_k: int, bits: int) -> pa.Table:
     """A packed part -> the plain columns (`teacher_topk_ids` int32, `teacher_topk_logprobs` float32, ...)."""
     lengths = list_lengths(table["teacher_token_logprob"])
     ids = unpack_ids(_binary_rows(table["teacher_topk_ids_packed"], packed_id_width(top_k, bits)), top_k, bits)
-    logprobs = dequantize_logprobs(_binary_rows(table["teacher_topk_lp_codes"], top_k),
-                                   flat_values(table["teacher_topk_log_mass"]),
-                                   flat_values(table["teacher_topk_log_range"]))
+    logprobs = dequantize_logprobs(
+        _binary_rows(table["teacher_topk_lp_codes"], top_k),
+        flat_values(table["teacher_topk_log_mass"]),
+        flat_values(table["teacher_topk_log_range"]),
+    )
     columns = {
         "sample_id": table["sample_id"],
         "teacher_topk_ids": ragged_fixed(ids, lengths, pa.int32()),

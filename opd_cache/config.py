@@ -147,7 +147,8 @@ class TrainConfig(Section):
     device: str = "auto"
     seed: int = 0
     follow: bool = False
-    poll_seconds: float = Field(1.0, gt=0)  # wait between listings of new annotated parts; on a local store 0.1 is cheap
+    # wait between listings of new annotated parts; on a local store 0.1 is cheap
+    poll_seconds: float = Field(1.0, gt=0)
     # experiment trackers that receive every train metric, and the evaluator's (docs/train.md, "Experiment tracking")
     report_to: list[Literal["tensorboard", "wandb"]] = []
     tensorboard: bool = False  # deprecated: the same as report_to [tensorboard]
@@ -237,8 +238,9 @@ def _assign(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
-                sets: list[str] | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None, sets: list[str] | None = None
+) -> Config:
     """Build the config: defaults < YAML file < `overrides` (stage flags, dotted keys) < `sets`."""
     tree: dict = {}
     if path is not None:
@@ -278,7 +280,9 @@ def format_validation_error(error: ValidationError, source: str | None = None) -
         key = ".".join(str(p) for p in item["loc"]) or "(config)"
         value = item.get("input")
         if item["type"] == "extra_forbidden":
-            lines.append(f"unknown config key {key!r} (value {value!r}); check the spelling against `docs/configuration.md`")
+            lines.append(
+                f"unknown config key {key!r} (value {value!r}); check the spelling against `docs/configuration.md`"
+            )
         else:
             lines.append(f"config key {key!r} = {value!r}: {item['msg']}")
     where = f" in {source}" if source else ""

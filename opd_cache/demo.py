@@ -43,8 +43,9 @@ def _absolute(path: str | None) -> str | None:
 
 
 def demo_config(out: Path, seed: int, sets: list[str]) -> Config:
-    cfg = load_config(DEMO_CONFIG, overrides={"store.uri": str(out / "store"), "rollout.seed": seed,
-                                              "train.seed": seed}, sets=sets)
+    cfg = load_config(
+        DEMO_CONFIG, overrides={"store.uri": str(out / "store"), "rollout.seed": seed, "train.seed": seed}, sets=sets
+    )
     cfg.rollout.student = _absolute(cfg.rollout.student)
     cfg.rollout.prompts = _absolute(cfg.rollout.prompts)
     cfg.annotate.teacher = _absolute(cfg.annotate.teacher)
@@ -66,11 +67,21 @@ def ensure_demo_models(console: Console) -> None:
 # Every module the demo and its stage processes import, and the package that provides it when it is missing
 # (the plots come last, after minutes of training: a missing matplotlib must fail before them).
 DEMO_IMPORTS = {
-    "torch": "torch==2.13.0", "transformers": "transformers", "safetensors": "safetensors",
-    "tokenizers": "tokenizers", "pyarrow": "pyarrow", "datasets": "datasets", "yaml": "pyyaml",
-    "pydantic": "pydantic", "psutil": "psutil", "matplotlib.pyplot": "matplotlib",
-    "opd_cache.rollout": None, "opd_cache.annotate": None, "opd_cache.train.trainer": None,
-    "opd_cache.evaluate": None, "opd_cache.report": None,
+    "torch": "torch==2.13.0",
+    "transformers": "transformers",
+    "safetensors": "safetensors",
+    "tokenizers": "tokenizers",
+    "pyarrow": "pyarrow",
+    "datasets": "datasets",
+    "yaml": "pyyaml",
+    "pydantic": "pydantic",
+    "psutil": "psutil",
+    "matplotlib.pyplot": "matplotlib",
+    "opd_cache.rollout": None,
+    "opd_cache.annotate": None,
+    "opd_cache.train.trainer": None,
+    "opd_cache.evaluate": None,
+    "opd_cache.report": None,
 }
 # What the demo writes into --out; --overwrite removes exactly these.
 DEMO_OUTPUTS = ("store", "logs", "plots", "summary.json")
@@ -86,8 +97,10 @@ def check_demo_imports() -> None:
         except ImportError as e:
             missing = (e.name or module).split(".")[0]
             package = DEMO_IMPORTS.get(missing) or DEMO_IMPORTS.get(module) or missing
-            raise ValueError(f"the demo needs the Python package {package!r} (module {missing!r} is not installed): "
-                             f"run `bash scripts/setup.sh`, or `pip install {package}`") from e
+            raise ValueError(
+                f"the demo needs the Python package {package!r} (module {missing!r} is not installed): "
+                f"run `bash scripts/setup.sh`, or `pip install {package}`"
+            ) from e
 
 
 def clear_demo_outputs(out: Path, overwrite: bool) -> None:
@@ -98,17 +111,20 @@ def clear_demo_outputs(out: Path, overwrite: bool) -> None:
     if not store_used and not (overwrite and previous):
         return
     if not overwrite:
-        raise ValueError(f"--out {out}: {store} already holds a run; pass --overwrite to replace it, "
-                         f"or choose another --out")
+        raise ValueError(
+            f"--out {out}: {store} already holds a run; pass --overwrite to replace it, or choose another --out"
+        )
     if store_used and not (store / "run.json").exists():
-        raise ValueError(f"--out {out}: {store} is not an opd store (no run.json); --overwrite leaves it alone: "
-                         f"choose another --out")
+        raise ValueError(
+            f"--out {out}: {store} is not an opd store (no run.json); --overwrite leaves it alone: choose another --out"
+        )
     for path in previous:
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
-def run_demo(out: Path, seed: int = 0, sets: list[str] | None = None, quiet: bool = False,
-             overwrite: bool = False) -> dict:
+def run_demo(
+    out: Path, seed: int = 0, sets: list[str] | None = None, quiet: bool = False, overwrite: bool = False
+) -> dict:
     out = Path(out)
     # what can fail in seconds fails before the previous run is replaced and before any training
     check_demo_imports()
@@ -130,8 +146,11 @@ def run_demo(out: Path, seed: int = 0, sets: list[str] | None = None, quiet: boo
     tokenizer = load_tokenizer(cfg.annotate.teacher)
     held_out = _subset(load_prompts(cfg.eval.prompts, tokenizer), cfg.eval.max_prompts)
     teacher = evaluate_model(cfg.annotate.teacher, held_out, tokenizer, max_new_tokens=cfg.eval.max_new_tokens)
-    console.print(f"teacher on {len(held_out)} held-out prompts: strict {teacher.strict:.3f}, "
-                  f"lenient {teacher.lenient:.3f}  (e.g. {teacher.example!r})", highlight=False)
+    console.print(
+        f"teacher on {len(held_out)} held-out prompts: strict {teacher.strict:.3f}, "
+        f"lenient {teacher.lenient:.3f}  (e.g. {teacher.example!r})",
+        highlight=False,
+    )
 
     config_path = write_resolved_config(cfg, out / "logs" / "config.yaml")
     console.print(f"opd run: store {cfg.store.uri}, logs {out / 'logs'}")
@@ -143,8 +162,11 @@ def run_demo(out: Path, seed: int = 0, sets: list[str] | None = None, quiet: boo
         raise RuntimeError(f"the demo run failed (status {status}, {len(evals)} evaluations); see {out / 'logs'}")
     before, after = evals[0], evals[-1]
     kl_reduction = before["kl"] / max(after["kl"], 1e-12)
-    passed = (before["strict"] <= MAX_STRICT_BEFORE and after["strict"] >= MIN_SHARE_OF_TEACHER * teacher.strict
-              and kl_reduction >= MIN_KL_REDUCTION)
+    passed = (
+        before["strict"] <= MAX_STRICT_BEFORE
+        and after["strict"] >= MIN_SHARE_OF_TEACHER * teacher.strict
+        and kl_reduction >= MIN_KL_REDUCTION
+    )
     summary = {
         "passed": passed,
         "seconds": round(time.monotonic() - start, 1),
@@ -161,17 +183,24 @@ def run_demo(out: Path, seed: int = 0, sets: list[str] | None = None, quiet: boo
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
-    table = Table(title=f"opd demo — {summary['seconds']:.0f} s, {report['steps']} steps, "
-                        f"{report['trained_samples']} samples")
+    table = Table(
+        title=f"opd demo — {summary['seconds']:.0f} s, {report['steps']} steps, {report['trained_samples']} samples"
+    )
     for col in ("", "strict (#### N)", "lenient (last number)", "KL(teacher‖student)/token"):
         table.add_column(col, justify="right")
     table.add_row("student before (v0)", f"{before['strict']:.3f}", f"{before['lenient']:.3f}", f"{before['kl']:.4f}")
-    table.add_row(f"student after (v{after['version']})", f"{after['strict']:.3f}", f"{after['lenient']:.3f}",
-                  f"{after['kl']:.4f}")
+    table.add_row(
+        f"student after (v{after['version']})",
+        f"{after['strict']:.3f}",
+        f"{after['lenient']:.3f}",
+        f"{after['kl']:.4f}",
+    )
     table.add_row("teacher", f"{teacher.strict:.3f}", f"{teacher.lenient:.3f}", "0")
     console.print(table)
     verdict = "[green]PASSED[/]" if passed else "[red]FAILED[/]"
-    console.print(f"{verdict}: strict {before['strict']:.2f} → {after['strict']:.2f} "
-                  f"({summary['strict_share_of_teacher']:.0%} of the teacher's), KL down {kl_reduction:.1f}×. "
-                  f"Summary: {out / 'summary.json'}; plots: {out / 'plots'}")
+    console.print(
+        f"{verdict}: strict {before['strict']:.2f} → {after['strict']:.2f} "
+        f"({summary['strict_share_of_teacher']:.0%} of the teacher's), KL down {kl_reduction:.1f}×. "
+        f"Summary: {out / 'summary.json'}; plots: {out / 'plots'}"
+    )
     return summary

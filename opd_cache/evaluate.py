@@ -16,19 +16,19 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from opd_cache.config import SamplingConfig
-from opd_cache.engines import resolve_device
-from opd_cache.engines.hf_generate import HFGenerator, Response
+from opd_cache.engine import Response, resolve_device
 from opd_cache.metrics import MetricsLog
 from opd_cache.models import load_causal_lm
+from opd_cache.rollout.hf_generate import HFGenerator
 from opd_cache.store import Store
 from opd_cache.tasks.prompts import PromptSet, load_prompts
 from opd_cache.tasks.rewards import compute_score
@@ -51,14 +51,20 @@ def _subset(prompts: PromptSet, max_prompts: int | None) -> PromptSet:
     if max_prompts is None or len(prompts) <= max_prompts:
         return prompts
     keep = slice(0, max_prompts)
-    return PromptSet(prompt_ids=prompts.prompt_ids[keep], data_source=prompts.data_source[keep],
-                     ground_truth=prompts.ground_truth[keep], extra=prompts.extra[keep],
-                     row_index=prompts.row_index[keep], source=prompts.source)
+    return PromptSet(
+        prompt_ids=prompts.prompt_ids[keep],
+        data_source=prompts.data_source[keep],
+        ground_truth=prompts.ground_truth[keep],
+        extra=prompts.extra[keep],
+        row_index=prompts.row_index[keep],
+        source=prompts.source,
+    )
 
 
 @torch.inference_mode()
-def sequence_kl(student, teacher, prompt_ids: list[list[int]], responses: list[Response], device,
-                batch_size: int = 64) -> tuple[float, int]:
+def sequence_kl(
+    student, teacher, prompt_ids: list[list[int]], responses: list[Response], device, batch_size: int = 64
+) -> tuple[float, int]:
     """Sum over response tokens of KL(teacher ‖ student) (full vocabulary), and the token count.
 
     Sequences are right-padded; row t of a response is predicted at position
@@ -90,13 +96,30 @@ def sequence_kl(student, teacher, prompt_ids: list[list[int]], responses: list[R
     return total, count
 
 
-def evaluate_model(student_path: str | os.PathLike, prompts: PromptSet, tokenizer, *, teacher=None, n: int = 1,
-                   greedy: bool = True, max_new_tokens: int = 32, device: str = "auto", seed: int = 0,
-                   engine: HFGenerator | None = None) -> EvalResult:
+def evaluate_model(
+    student_path: str | os.PathLike,
+    prompts: PromptSet,
+    tokenizer,
+    *,
+    teacher=None,
+    n: int = 1,
+    greedy: bool = True,
+    max_new_tokens: int = 32,
+    device: str = "auto",
+    seed: int = 0,
+    engine: HFGenerator | None = None,
+) -> EvalResult:
     """Score one student checkpoint on `prompts` (pass `engine` to reuse a loaded model)."""
     if engine is None:
-        engine = HFGenerator(student_path, tokenizer=tokenizer, device=device, eos_token_ids=[tokenizer.eos_token_id],
-                             pad_token_id=tokenizer.pad_token_id, vocab_limit=len(tokenizer), seed=seed)
+        engine = HFGenerator(
+            student_path,
+            tokenizer=tokenizer,
+            device=device,
+            eos_token_ids=[tokenizer.eos_token_id],
+            pad_token_id=tokenizer.pad_token_id,
+            vocab_limit=len(tokenizer),
+            seed=seed,
+        )
     else:
         engine.load_policy(student_path)
     # greedy = sampling from the top-1 distribution: one code path for both
@@ -104,8 +127,10 @@ def evaluate_model(student_path: str | os.PathLike, prompts: PromptSet, tokenize
     responses = engine.generate(prompts.prompt_ids, n=1 if greedy else n, sampling=sampling, seed=seed)
     per_prompt = len(responses) // len(prompts)
     texts = tokenizer.batch_decode([r.token_ids for r in responses], skip_special_tokens=True)
-    scores = [compute_score(prompts.data_source[i // per_prompt], text, prompts.ground_truth[i // per_prompt])
-              for i, text in enumerate(texts)]
+    scores = [
+        compute_score(prompts.data_source[i // per_prompt], text, prompts.ground_truth[i // per_prompt])
+        for i, text in enumerate(texts)
+    ]
     kl = None
     if teacher is not None:
         prompt_of = [prompts.prompt_ids[i // per_prompt] for i in range(len(responses))]
@@ -114,7 +139,9 @@ def evaluate_model(student_path: str | os.PathLike, prompts: PromptSet, tokenize
     return EvalResult(
         strict=float(np.mean([s["strict"] for s in scores])),
         lenient=float(np.mean([s["lenient"] for s in scores])),
-        kl=kl, num_prompts=len(prompts), n=per_prompt,
+        kl=kl,
+        num_prompts=len(prompts),
+        n=per_prompt,
         response_tokens=float(np.mean([len(r.token_ids) for r in responses])),
         example=texts[0] if texts else "",
     )
@@ -122,8 +149,9 @@ def evaluate_model(student_path: str | os.PathLike, prompts: PromptSet, tokenize
 
 def load_teacher(path: str | os.PathLike, student_tokenizer, device: str = "auto"):
     teacher = load_causal_lm(path).to(resolve_device(device)).eval()
-    check_compatible(student_tokenizer, load_tokenizer(path), teacher.get_input_embeddings().num_embeddings,
-                     "student", str(path))
+    check_compatible(
+        student_tokenizer, load_tokenizer(path), teacher.get_input_embeddings().num_embeddings, "student", str(path)
+    )
     return teacher
 
 
@@ -148,10 +176,21 @@ def _policy_folder(store: Store, version: int) -> Path:
     return store.download_dir(rel, Path(tempfile.mkdtemp(prefix="opd-eval-")) / rel)
 
 
-def evaluate_store(store: Store, prompts_path: str, *, teacher_path: str | None, max_prompts: int = 200,
-                   max_new_tokens: int = 32, every: int = 1, follow: bool = True, poll_seconds: float = 2.0,
-                   device: str = "auto", worker: str = "0", echo: Callable[[str], None] | None = None,
-                   tracker=None) -> list[dict]:
+def evaluate_store(
+    store: Store,
+    prompts_path: str,
+    *,
+    teacher_path: str | None,
+    max_prompts: int = 200,
+    max_new_tokens: int = 32,
+    every: int = 1,
+    follow: bool = True,
+    poll_seconds: float = 2.0,
+    device: str = "auto",
+    worker: str = "0",
+    echo: Callable[[str], None] | None = None,
+    tracker=None,
+) -> list[dict]:
     """Evaluate version 0 and then every `every`-th published version (and the last) into the metrics.
 
     `echo` receives one line per evaluated version (the CLI prints it: the evaluator's log in `opd run`);
@@ -173,15 +212,24 @@ def evaluate_store(store: Store, prompts_path: str, *, teacher_path: str | None,
         for version in todo:
             path = run["student"] if version == 0 else _policy_folder(store, version)
             if engine is None:
-                engine = HFGenerator(path, tokenizer=tokenizer, device=device, eos_token_ids=[tokenizer.eos_token_id],
-                                     pad_token_id=tokenizer.pad_token_id, vocab_limit=len(tokenizer))
+                engine = HFGenerator(
+                    path,
+                    tokenizer=tokenizer,
+                    device=device,
+                    eos_token_ids=[tokenizer.eos_token_id],
+                    pad_token_id=tokenizer.pad_token_id,
+                    vocab_limit=len(tokenizer),
+                )
             tic = time.monotonic()
-            result = evaluate_model(path, prompts, tokenizer, teacher=teacher, max_new_tokens=max_new_tokens,
-                                    engine=engine)
+            result = evaluate_model(
+                path, prompts, tokenizer, teacher=teacher, max_new_tokens=max_new_tokens, engine=engine
+            )
             if echo is not None:
-                echo(f"eval v{version}: strict {result.strict:.3f}, lenient {result.lenient:.3f}"
-                     + (f", KL {result.kl:.4f}" if result.kl is not None else "")
-                     + f" on {result.num_prompts} prompts ({time.monotonic() - tic:.1f} s)")
+                echo(
+                    f"eval v{version}: strict {result.strict:.3f}, lenient {result.lenient:.3f}"
+                    + (f", KL {result.kl:.4f}" if result.kl is not None else "")
+                    + f" on {result.num_prompts} prompts ({time.monotonic() - tic:.1f} s)"
+                )
             record = {"version": version, **asdict(result)}
             log.log(record, flush=True)
             if tracker is not None:
@@ -191,4 +239,3 @@ def evaluate_store(store: Store, prompts_path: str, *, teacher_path: str | None,
         if finished or not follow:
             return results
         time.sleep(poll_seconds)
-

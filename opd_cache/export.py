@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -39,24 +39,26 @@ MANIFEST = "export.json"
 
 def export_schema() -> pa.Schema:
     """One row per (sample, teacher): what a dataset user needs to train or analyse without opd_cache."""
-    return pa.schema([
-        pa.field("sample_id", pa.string(), nullable=False),
-        pa.field("shard_id", pa.string(), nullable=False),
-        pa.field("policy_version", pa.int32(), nullable=False),
-        pa.field("prompt_index", pa.int64(), nullable=False),
-        pa.field("sample_index", pa.int32(), nullable=False),
-        pa.field("data_source", pa.string()),
-        pa.field("ground_truth", pa.string()),
-        pa.field("finish_reason", pa.string()),
-        pa.field("prompt", pa.string()),
-        pa.field("response", pa.string()),
-        pa.field("prompt_ids", pa.list_(pa.int32())),
-        pa.field("response_ids", pa.list_(pa.int32())),
-        pa.field("behavior_logprobs", pa.list_(pa.float32())),  # the student's log-prob of each sampled token
-        pa.field("teacher_token_logprob", pa.list_(pa.float32())),  # the teacher's log-prob of each sampled token
-        pa.field("teacher_topk_ids", pa.list_(pa.list_(pa.int32()))),  # [tokens][k], best first
-        pa.field("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32()))),
-    ])
+    return pa.schema(
+        [
+            pa.field("sample_id", pa.string(), nullable=False),
+            pa.field("shard_id", pa.string(), nullable=False),
+            pa.field("policy_version", pa.int32(), nullable=False),
+            pa.field("prompt_index", pa.int64(), nullable=False),
+            pa.field("sample_index", pa.int32(), nullable=False),
+            pa.field("data_source", pa.string()),
+            pa.field("ground_truth", pa.string()),
+            pa.field("finish_reason", pa.string()),
+            pa.field("prompt", pa.string()),
+            pa.field("response", pa.string()),
+            pa.field("prompt_ids", pa.list_(pa.int32())),
+            pa.field("response_ids", pa.list_(pa.int32())),
+            pa.field("behavior_logprobs", pa.list_(pa.float32())),  # the student's log-prob of each sampled token
+            pa.field("teacher_token_logprob", pa.list_(pa.float32())),  # the teacher's log-prob of each sampled token
+            pa.field("teacher_topk_ids", pa.list_(pa.list_(pa.int32()))),  # [tokens][k], best first
+            pa.field("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32()))),
+        ]
+    )
 
 
 @dataclass
@@ -79,15 +81,18 @@ class ExportResult:
 
 
 def _ragged(values: np.ndarray, offsets: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(np.ascontiguousarray(values),
-                                                                             type=value_type))
+    return pa.ListArray.from_arrays(
+        pa.array(offsets.astype(np.int32)), pa.array(np.ascontiguousarray(values), type=value_type)
+    )
 
 
 def _ragged_rows(values: np.ndarray, offsets: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
     """`list<list<value>>` from `[tokens, k]` values and per-row token offsets (no per-row Python work)."""
     tokens, k = values.shape
-    inner = pa.ListArray.from_arrays(pa.array(np.arange(0, tokens * k + 1, k, dtype=np.int32)),
-                                     pa.array(np.ascontiguousarray(values).reshape(-1), type=value_type))
+    inner = pa.ListArray.from_arrays(
+        pa.array(np.arange(0, tokens * k + 1, k, dtype=np.int32)),
+        pa.array(np.ascontiguousarray(values).reshape(-1), type=value_type),
+    )
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), inner)
 
 
@@ -111,8 +116,8 @@ def teacher_batch(store: Store, run: dict, shard_id: str, teacher: str, tokenize
     behavior, _ = _select(data.behavior_logprobs, data.response_offsets, rows)
     # A single part's teacher arrays hold exactly its rows' tokens, in rollout order.
     top_k = data.topk_ids.shape[1]
-    prompt_lists = [prompt_ids[prompt_offsets[i]:prompt_offsets[i + 1]].tolist() for i in range(len(rows))]
-    response_lists = [response_ids[response_offsets[i]:response_offsets[i + 1]].tolist() for i in range(len(rows))]
+    prompt_lists = [prompt_ids[prompt_offsets[i] : prompt_offsets[i + 1]].tolist() for i in range(len(rows))]
+    response_lists = [response_ids[response_offsets[i] : response_offsets[i + 1]].tolist() for i in range(len(rows))]
     if tokenizer is not None:
         prompts = tokenizer.batch_decode(prompt_lists, skip_special_tokens=False)
         responses = tokenizer.batch_decode(response_lists, skip_special_tokens=False)
@@ -134,8 +139,9 @@ def teacher_batch(store: Store, run: dict, shard_id: str, teacher: str, tokenize
         _ragged(behavior, response_offsets, pa.float32()),
         _ragged(data.token_logprob.astype(np.float32, copy=False), response_offsets, pa.float32()),
         _ragged_rows(data.topk_ids.reshape(-1, top_k), response_offsets, pa.int32()),
-        _ragged_rows(data.topk_logprobs.astype(np.float32, copy=False).reshape(-1, top_k), response_offsets,
-                     pa.float32()),
+        _ragged_rows(
+            data.topk_logprobs.astype(np.float32, copy=False).reshape(-1, top_k), response_offsets, pa.float32()
+        ),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=export_schema())
 
@@ -146,8 +152,10 @@ def resolve_tokenizer(run: dict, tokenizer_path: str | None, store: Store):
 
     path = tokenizer_path or run.get("student")
     if not path or not Path(path).is_dir():
-        raise ValueError(f"cannot decode text: {store.path('run.json')} names the student {path!r}, which is not a "
-                         f"local folder; pass --tokenizer DIR (the run's tokenizer) or --no-text")
+        raise ValueError(
+            f"cannot decode text: {store.path('run.json')} names the student {path!r}, which is not a "
+            f"local folder; pass --tokenizer DIR (the run's tokenizer) or --no-text"
+        )
     return load_tokenizer(path)
 
 
@@ -161,8 +169,11 @@ class _Writer:
         self.path = f"{final}{TMP_MARKER}{secrets.token_hex(6)}" if local else final
         self.stream = fs.open_output_stream(self.path)
         schema = export_schema()
-        self.writer = pq.ParquetWriter(self.stream, schema, compression="zstd") if fmt == "parquet" \
+        self.writer = (
+            pq.ParquetWriter(self.stream, schema, compression="zstd")
+            if fmt == "parquet"
             else pa.ipc.new_stream(self.stream, schema)
+        )
 
     def write(self, batch: pa.RecordBatch) -> None:
         if self.fmt == "parquet":  # one row group per shard
@@ -196,20 +207,31 @@ def prepare_destination(to: str, overwrite: bool) -> Store:
     existing = out.fs.get_file_info(pafs.FileSelector(out.root, allow_not_found=True, recursive=False))
     if existing:
         if not overwrite:
-            raise ValueError(f"--to {to} is not empty ({len(existing)} entries): choose a new folder or pass --overwrite")
+            raise ValueError(
+                f"--to {to} is not empty ({len(existing)} entries): choose a new folder or pass --overwrite"
+            )
         if not out.exists(MANIFEST):
-            raise ValueError(f"--to {to} is not empty and holds no {MANIFEST}: --overwrite only replaces an earlier "
-                             f"`opd export`; choose a new folder")
+            raise ValueError(
+                f"--to {to} is not empty and holds no {MANIFEST}: --overwrite only replaces an earlier "
+                f"`opd export`; choose a new folder"
+            )
         out.fs.delete_dir_contents(out.root)
     elif out.is_local:
         Path(out.root).mkdir(parents=True, exist_ok=True)
     return out
 
 
-def export_store(store: Store, to: str, *, fmt: str = "parquet", overwrite: bool = False,
-                 tokenizer_path: str | None = None, text: bool = True,
-                 teachers: list[str] | None = None,
-                 on_shard: Callable[[int, int, str], None] | None = None) -> ExportResult:
+def export_store(
+    store: Store,
+    to: str,
+    *,
+    fmt: str = "parquet",
+    overwrite: bool = False,
+    tokenizer_path: str | None = None,
+    text: bool = True,
+    teachers: list[str] | None = None,
+    on_shard: Callable[[int, int, str], None] | None = None,
+) -> ExportResult:
     """Write one table per teacher under `to`; `on_shard(done, total, shard_id)` reports progress."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
@@ -217,8 +239,10 @@ def export_store(store: Store, to: str, *, fmt: str = "parquet", overwrite: bool
     shards, parts = store.list_dataset()
     found = sorted({t for shard in shards for t in parts.get(shard.shard_id, ())})
     if not found:
-        raise ValueError(f"{store.path('')} has no annotated parts ({len(shards)} rollout shards, none annotated): "
-                         f"run `opd annotate` on it first")
+        raise ValueError(
+            f"{store.path('')} has no annotated parts ({len(shards)} rollout shards, none annotated): "
+            f"run `opd annotate` on it first"
+        )
     if teachers:
         unknown = sorted(set(teachers) - set(found))
         if unknown:
@@ -228,9 +252,12 @@ def export_store(store: Store, to: str, *, fmt: str = "parquet", overwrite: bool
     out = prepare_destination(to, overwrite)  # only after every check on the store: a refusal writes nothing
 
     start = time.monotonic()
-    result = ExportResult(to=out.path(""), format=fmt,
-                          files={t: out.path(f"{t}.{fmt}") for t in found},
-                          teachers={t: TeacherTotals() for t in found})
+    result = ExportResult(
+        to=out.path(""),
+        format=fmt,
+        files={t: out.path(f"{t}.{fmt}") for t in found},
+        teachers={t: TeacherTotals() for t in found},
+    )
     writers: dict[str, _Writer] = {}
     try:
         for t in found:
@@ -249,7 +276,10 @@ def export_store(store: Store, to: str, *, fmt: str = "parquet", overwrite: bool
                 if totals.top_k is None:
                     part, _ = read_shard(store, store.annotated_path(shard.shard_id, t), run=run)
                     lp = part.schema.field("teacher_topk_logprobs").type.value_type
-                    totals.top_k, totals.topk_logprob_dtype = lp.list_size, np.dtype(lp.value_type.to_pandas_dtype()).name
+                    totals.top_k, totals.topk_logprob_dtype = (
+                        lp.list_size,
+                        np.dtype(lp.value_type.to_pandas_dtype()).name,
+                    )
             result.shards = done + 1
             if on_shard is not None:
                 on_shard(done + 1, len(shards), shard.shard_id)
@@ -263,9 +293,14 @@ def export_store(store: Store, to: str, *, fmt: str = "parquet", overwrite: bool
                 pass
         raise
     result.seconds = time.monotonic() - start
-    manifest = {"store": store.uri, "run_id": run.get("run_id"), "format": fmt, "text_decoded": text,
-                "tokenizer": (tokenizer_path or run.get("student")) if text else None,
-                "shards": result.shards,
-                "teachers": {t: {"file": f"{t}.{fmt}", **vars(v)} for t, v in result.teachers.items()}}
+    manifest = {
+        "store": store.uri,
+        "run_id": run.get("run_id"),
+        "format": fmt,
+        "text_decoded": text,
+        "tokenizer": (tokenizer_path or run.get("student")) if text else None,
+        "shards": result.shards,
+        "teachers": {t: {"file": f"{t}.{fmt}", **vars(v)} for t, v in result.teachers.items()},
+    }
     out.write_json(MANIFEST, manifest)  # last: a folder with export.json holds a complete export
     return result

@@ -49,8 +49,9 @@ def checksum(data) -> str:
 
 
 def failed(where: str, stored: str, computed: str) -> ChecksumError:
-    return ChecksumError(where, f"failed its checksum (stored {stored}, computed {computed})",
-                         stored=stored, computed=computed)
+    return ChecksumError(
+        where, f"failed its checksum (stored {stored}, computed {computed})", stored=stored, computed=computed
+    )
 
 
 # ---------------------------------------------------------------- shards: the trailer
@@ -87,23 +88,31 @@ def split_trailer(data, where: str):
     `data` is a pyarrow Buffer (or bytes); the payload is a zero-copy slice of it.
     """
     size = len(data)
-    if size < TRAILER_SIZE or bytes(data[size - len(TRAILER_MAGIC):]) != TRAILER_MAGIC:
+    if size < TRAILER_SIZE or bytes(data[size - len(TRAILER_MAGIC) :]) != TRAILER_MAGIC:
         return data, False
-    stored, length, _ = TRAILER.unpack(bytes(data[size - TRAILER_SIZE:]))
+    stored, length, _ = TRAILER.unpack(bytes(data[size - TRAILER_SIZE :]))
     payload = data[: size - TRAILER_SIZE]
     computed = xxhash.xxh3_64_intdigest(payload)
     if length != len(payload):
-        raise ChecksumError(where, f"failed its checksum (trailer records {length} bytes, file has {len(payload)}: "
-                                   f"truncated or spliced)", stored=f"{stored:016x}", computed=f"{computed:016x}")
+        raise ChecksumError(
+            where,
+            f"failed its checksum (trailer records {length} bytes, file has {len(payload)}: truncated or spliced)",
+            stored=f"{stored:016x}",
+            computed=f"{computed:016x}",
+        )
     if computed != stored:
         raise failed(where, f"{stored:016x}", f"{computed:016x}")
     return payload, True
 
 
 def missing_trailer(where: str, size: int) -> ChecksumError:
-    return ChecksumError(where, f"failed its checksum (its metadata says {TRAILER_KIND} but the {size}-byte file "
-                                f"has no valid trailer: truncated, or its last bytes are damaged)",
-                         stored="missing", computed="-")
+    return ChecksumError(
+        where,
+        f"failed its checksum (its metadata says {TRAILER_KIND} but the {size}-byte file "
+        f"has no valid trailer: truncated, or its last bytes are damaged)",
+        stored="missing",
+        computed="-",
+    )
 
 
 # ---------------------------------------------------------------- folders: the manifest
@@ -131,13 +140,15 @@ def parse_manifest(data: bytes, where: str) -> dict:
         manifest = json.loads(data)
         files = manifest["files"]
         if manifest.get("algorithm") != ALGORITHM or not all(
-                isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get(ALGORITHM), str)
-                for v in files.values()):
+            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get(ALGORITHM), str)
+            for v in files.values()
+        ):
             raise ValueError("unexpected fields")
         return files
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ChecksumError(where, f"failed its checksum (its {MANIFEST} is damaged: {e})",
-                            stored="unreadable", computed="-") from None
+        raise ChecksumError(
+            where, f"failed its checksum (its {MANIFEST} is damaged: {e})", stored="unreadable", computed="-"
+        ) from None
 
 
 @dataclass
@@ -154,8 +165,9 @@ def check_file(name: str, data: bytes | None, entry: dict, where: str) -> FilePr
     computed = checksum(data)
     if len(data) != entry["size"] or computed != entry[ALGORITHM]:
         detail = "" if len(data) == entry["size"] else f", {len(data)} bytes instead of {entry['size']}"
-        return FileProblem(name, "corrupt", f"{where} failed its checksum (stored {entry[ALGORITHM]}, "
-                                            f"computed {computed}{detail})")
+        return FileProblem(
+            name, "corrupt", f"{where} failed its checksum (stored {entry[ALGORITHM]}, computed {computed}{detail})"
+        )
     return None
 
 
@@ -187,8 +199,11 @@ def legacy_warning(kind: str, where: str) -> None:
     if kind in _warned:
         return
     _warned.add(kind)
-    print(f"warning: {where} has no checksum (written before opd_cache recorded them); {kind} files like it are "
-          f"read unverified (this warning is shown once per run)", file=sys.stderr)
+    print(
+        f"warning: {where} has no checksum (written before opd_cache recorded them); {kind} files like it are "
+        f"read unverified (this warning is shown once per run)",
+        file=sys.stderr,
+    )
 
 
 # ---------------------------------------------------------------- `opd verify`
@@ -211,10 +226,14 @@ class VerifyReport:
         return bool(self.problems)
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "corrupt": self.count("corrupt"), "missing": self.count("missing"),
-                "unchecked": self.unchecked, "problems": [{"path": p, "status": s, "reason": r}
-                                                         for p, s, r in self.problems],
-                "quarantined": self.quarantined}
+        return {
+            "ok": self.ok,
+            "corrupt": self.count("corrupt"),
+            "missing": self.count("missing"),
+            "unchecked": self.unchecked,
+            "problems": [{"path": p, "status": s, "reason": r} for p, s, r in self.problems],
+            "quarantined": self.quarantined,
+        }
 
 
 SHARD_FOLDERS = ("rollouts/", "annotated/")
@@ -231,12 +250,13 @@ def verify_store(store, on_file=None) -> VerifyReport:
 
     report = VerifyReport()
     root = store.path("") + "/"
-    files = sorted(info.path[len(root):] for info in store.list_files("", recursive=True))
-    folders = sorted({rel.rsplit("/", 1)[0] for rel in files
-                      if rel.endswith("/_COMPLETE") and rel.startswith(CHECKPOINT_FOLDERS)})
+    files = sorted(info.path[len(root) :] for info in store.list_files("", recursive=True))
+    folders = sorted(
+        {rel.rsplit("/", 1)[0] for rel in files if rel.endswith("/_COMPLETE") and rel.startswith(CHECKPOINT_FOLDERS)}
+    )
     for rel in files:
         if rel.startswith("quarantine/") and rel.endswith(".reason.txt"):
-            name = rel[len("quarantine/"):-len(".reason.txt")]
+            name = rel[len("quarantine/") : -len(".reason.txt")]
             report.quarantined[name] = store.read_bytes(rel).decode(errors="replace").strip()
         if not (rel.endswith(".arrow") and rel.startswith(SHARD_FOLDERS)):
             continue

@@ -369,9 +369,7 @@ def _check_targets(
             raise ValueError(f"teacher_topk_ids must be [N, k], got shape {tuple(teacher_topk_ids.shape)}")
         k = teacher_topk_ids.shape[1]
         if k > vocab:
-            raise ValueError(
-                f"teacher_topk_ids has k={k} columns but the vocabulary has V={vocab} ids; k must be <= V"
-            )
+            raise ValueError(f"teacher_topk_ids has k={k} columns but the vocabulary has V={vocab} ids; k must be <= V")
         support = _check_ids("teacher_topk_ids", teacher_topk_ids, (n, k), vocab)
         support_logprobs = _check_values("teacher_topk_logprobs", teacher_topk_logprobs, (n, k), dtype)
     topk = support.shape[1]
@@ -769,9 +767,7 @@ def fused_token_losses(
             "module that owns it (or after module.unshard()), where its parameters are plain tensors"
         )
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[1]:
-        raise ValueError(
-            f"lm_head_weight must be [V, H={hidden.shape[1]}], got shape {tuple(lm_head_weight.shape)}"
-        )
+        raise ValueError(f"lm_head_weight must be [V, H={hidden.shape[1]}], got shape {tuple(lm_head_weight.shape)}")
     if _has_nan(hidden):
         raise ValueError("hidden contains NaN")
     if _has_nan(lm_head_weight):

@@ -28,7 +28,7 @@ import json
 import os
 import re
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from opd_cache.store import Store, validate_name
 
@@ -60,10 +60,12 @@ def _segment_parts(names: list[str]) -> tuple[int, list[tuple[int, str]]]:
     (both may still exist: a writer killed before deleting them)."""
     parsed = _parse_segments(names)
     full = max((last for _, last, is_full, _ in parsed if is_full), default=-1)
-    live = [(first, last, name) for first, last, is_full, name in parsed
-            if first > full or (is_full and last == full)]
-    covered = [(first, last, name) for first, last, name in live
-               if not any(lo <= first and last <= hi and (lo, hi) != (first, last) for lo, hi, _ in live)]
+    live = [(first, last, name) for first, last, is_full, name in parsed if first > full or (is_full and last == full)]
+    covered = [
+        (first, last, name)
+        for first, last, name in live
+        if not any(lo <= first and last <= hi and (lo, hi) != (first, last) for lo, hi, _ in live)
+    ]
     return full, sorted((first, name) for first, _, name in covered)
 
 
@@ -119,7 +121,7 @@ class MetricsLog:
 
     def flush(self) -> None:
         """Write the records logged since the last flush (and only those)."""
-        new = self.lines[self._flushed:]
+        new = self.lines[self._flushed :]
         self._last_flush = time.monotonic()
         if not new:
             return
@@ -144,7 +146,7 @@ class MetricsLog:
             full_seq = self._seq
             self.store.write_bytes(f"metrics/{self.stem}/{full_seq:08d}.full.jsonl", data)
             names = [info.base_name for info in self.store.list_files(f"metrics/{self.stem}")]
-            for first, last, _, name in _parse_segments(names):
+            for _first, last, _, name in _parse_segments(names):
                 if last < full_seq:
                     self.store.delete(f"metrics/{self.stem}/{name}")
             self.store.delete(self.rel)
@@ -165,7 +167,7 @@ class MetricsLog:
                 if written != len(data):  # a short write (disk full): finish it, readers skip the cut line
                     view = memoryview(data)[written:]
                     while view:
-                        view = view[os.write(fd, view):]
+                        view = view[os.write(fd, view) :]
             finally:
                 os.close(fd)
 
@@ -225,7 +227,7 @@ def read_metrics(store: Store, stage: str | None = None) -> dict[str, list[dict]
     """All metrics logs (optionally of one stage), keyed by `<stage>-<worker>`; one LIST of `metrics/`."""
     files, segments = set(), {}
     for info in store.list_files("metrics", recursive=True):
-        rel = info.path[len(store.path("metrics")) + 1:]
+        rel = info.path[len(store.path("metrics")) + 1 :]
         parts = rel.split("/")
         if len(parts) == 1 and rel.endswith(".jsonl"):
             files.add(rel.removesuffix(".jsonl"))

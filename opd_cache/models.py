@@ -13,8 +13,8 @@ import contextlib
 import os
 
 import torch
-from transformers.utils import logging as hf_logging
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config
+from transformers.utils import logging as hf_logging
 
 _CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config}
 
@@ -131,14 +131,18 @@ def load_causal_lm(
     except ValueError as e:
         if "trust_remote_code" in str(e) and not trust_remote_code:
             # config.json names custom code (auto_map) for a model type transformers does not know
-            raise ValueError(f"model {path}: its config.json needs custom Python code from the model folder, which "
-                             f"runs only with trust_remote_code (e.g. --set annotate.trust_remote_code=true); "
-                             f"enable it only for a model you trust") from None
+            raise ValueError(
+                f"model {path}: its config.json needs custom Python code from the model folder, which "
+                f"runs only with trust_remote_code (e.g. --set annotate.trust_remote_code=true); "
+                f"enable it only for a model you trust"
+            ) from None
         raise
     return model.eval()
 
 
-def save_causal_lm(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | os.PathLike) -> None:
+def save_causal_lm(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | os.PathLike
+) -> None:
     """Write a loadable checkpoint folder: safetensors weights, config.json, tokenizer files.
 
     This writes into `out_dir` in place; publishing it atomically (write

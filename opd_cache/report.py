@@ -121,8 +121,12 @@ def write_report(store: Store, out_dir: str | Path) -> dict:
             pairs = [(r["step"], _diagnostic(r, name)) for r in train if _diagnostic(r, name) is not None]
             if pairs:
                 ax.plot(*zip(*pairs), label=label, linestyle=":" if name == "topk_overlap" else "-")
-        ax.set(xlabel="optimizer step", ylabel="mean over response tokens", ylim=(-0.02, 1.02),
-               title="Probability mass on the stored top-k, and top-k overlap")
+        ax.set(
+            xlabel="optimizer step",
+            ylabel="mean over response tokens",
+            ylim=(-0.02, 1.02),
+            title="Probability mass on the stored top-k, and top-k overlap",
+        )
         if ax.lines:  # below the axes: the curves fill the whole height
             ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
         save(fig, "mass_overlap.png")
@@ -130,7 +134,9 @@ def write_report(store: Store, out_dir: str | Path) -> dict:
         hist = summary["staleness_histogram"]
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ax.bar([str(k) for k in hist], list(hist.values()))
-        ax.set(xlabel="staleness (versions behind the trainer)", ylabel="trained rows", title="Staleness of trained rows")
+        ax.set(
+            xlabel="staleness (versions behind the trainer)", ylabel="trained rows", title="Staleness of trained rows"
+        )
         save(fig, "staleness.png")
 
     if evals:
@@ -138,10 +144,24 @@ def write_report(store: Store, out_dir: str | Path) -> dict:
         versions = [r["version"] for r in evals]
         # strict and lenient often coincide (both 1.0 at the end): lenient as large open squares on a dashed line,
         # strict as small filled dots on a solid one drawn on top, so both stay visible where they overlap
-        ax1.plot(versions, [r["lenient"] for r in evals], "s--", color="tab:orange", markersize=9,
-                 markerfacecolor="none", markeredgewidth=1.5, label="lenient accuracy (last number)")
-        ax1.plot(versions, [r["strict"] for r in evals], "o-", color="tab:blue", markersize=4.5,
-                 label="strict accuracy (#### N)")
+        ax1.plot(
+            versions,
+            [r["lenient"] for r in evals],
+            "s--",
+            color="tab:orange",
+            markersize=9,
+            markerfacecolor="none",
+            markeredgewidth=1.5,
+            label="lenient accuracy (last number)",
+        )
+        ax1.plot(
+            versions,
+            [r["strict"] for r in evals],
+            "o-",
+            color="tab:blue",
+            markersize=4.5,
+            label="strict accuracy (#### N)",
+        )
         ax1.set(xlabel="policy version", ylabel="accuracy", ylim=(-0.04, 1.04), title="Held-out accuracy and KL")
         handles, labels = ax1.get_legend_handles_labels()
         kls = [(r["version"], r["kl"]) for r in evals if r.get("kl") is not None]
@@ -158,14 +178,14 @@ def write_report(store: Store, out_dir: str | Path) -> dict:
                 ax2.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             more_handles, more_labels = ax2.get_legend_handles_labels()
             handles, labels = handles + more_handles, labels + more_labels
-        ax1.legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=2,
-                   frameon=False)
+        ax1.legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=2, frameon=False)
         save(fig, "accuracy.png")
 
     stage_rates = {
         "rollout": _series([r for r in _records(metrics, "rollout") if "shard" in r], "tokens_per_s", "time"),
-        "annotate": _series([r for r in _records(metrics, "annotate") if r.get("event") == "annotated"],
-                            "tokens_per_s", "time"),
+        "annotate": _series(
+            [r for r in _records(metrics, "annotate") if r.get("event") == "annotated"], "tokens_per_s", "time"
+        ),
         "train": _series(train, "tokens_per_s", "time"),
     }
     if any(len(x) for x, _ in stage_rates.values()):
@@ -177,27 +197,41 @@ def write_report(store: Store, out_dir: str | Path) -> dict:
         ax1.set(xlabel="seconds since the first record", ylabel="tokens/s", yscale="log", title="Per-stage throughput")
         ax1.legend(fontsize=7)
         if train:
-            pairs = [(r["step"], r["data_wait_s"], r["step_time_s"]) for r in train
-                     if r.get("data_wait_s") is not None and r.get("step_time_s") is not None]
+            pairs = [
+                (r["step"], r["data_wait_s"], r["step_time_s"])
+                for r in train
+                if r.get("data_wait_s") is not None and r.get("step_time_s") is not None
+            ]
             if pairs:
                 steps, wait, step_time = (np.asarray(c, dtype=float) for c in zip(*pairs))
                 share = wait / np.maximum(step_time + wait, 1e-9)
                 window = min(SMOOTHING_STEPS, len(share))
                 # one step waits, the next finds its batch prefetched: the raw share jumps between 0 and 1
                 ax2.plot(steps, share, color="tab:blue", alpha=0.2, linewidth=0.8, label="per step")
-                ax2.plot(steps, rolling_mean(share, window), color="tab:blue", linewidth=2,
-                         label=f"rolling mean over {window} steps")
+                ax2.plot(
+                    steps,
+                    rolling_mean(share, window),
+                    color="tab:blue",
+                    linewidth=2,
+                    label=f"rolling mean over {window} steps",
+                )
                 ax2.legend(fontsize=7)
-        ax2.set(xlabel="optimizer step", ylabel="share of the step spent waiting", ylim=(0, 1),
-                title="Trainer waiting for data")
+        ax2.set(
+            xlabel="optimizer step",
+            ylabel="share of the step spent waiting",
+            ylim=(0, 1),
+            title="Trainer waiting for data",
+        )
         save(fig, "throughput.png")
 
     lines = [f"# opd report — {store.uri}", "", *summary_lines(summary), ""]
     if summary["eval"]:
         lines += ["| version | strict | lenient | KL(teacher‖student)/token |", "|---:|---:|---:|---:|"]
         for r in summary["eval"]:
-            lines.append(f"| {r['version']} | {_fmt(r['strict'], '.3f')} | {_fmt(r['lenient'], '.3f')} | "
-                         f"{_fmt(r['kl'], '.4g')} |")
+            lines.append(
+                f"| {r['version']} | {_fmt(r['strict'], '.3f')} | {_fmt(r['lenient'], '.3f')} | "
+                f"{_fmt(r['kl'], '.4g')} |"
+            )
         lines.append("")
     lines += [f"![{p}]({p})\n\n{PLOT_CAPTIONS[p]}\n" for p in plots]
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
@@ -208,17 +242,17 @@ def write_report(store: Store, out_dir: str | Path) -> dict:
 PLOT_CAPTIONS = {
     "loss.png": "Distillation loss per optimizer step (mean over the batch's response tokens).",
     "mass_overlap.png": "The stored top-k is the support of the loss: the teacher's top-k tokens at each position "
-                        "(plus the student's top-k with `--support union`). Teacher mass near 1 means k is large "
-                        "enough; the student's mass there rises as it learns the teacher's distribution. Top-k "
-                        "overlap is the share of the teacher's top-k tokens that are also among the student's "
-                        "top-k (1 = the same candidates, in any order); it is plotted when rollout records the "
-                        "student's top-k (`rollout.student_topk`).",
+    "(plus the student's top-k with `--support union`). Teacher mass near 1 means k is large "
+    "enough; the student's mass there rises as it learns the teacher's distribution. Top-k "
+    "overlap is the share of the teacher's top-k tokens that are also among the student's "
+    "top-k (1 = the same candidates, in any order); it is plotted when rollout records the "
+    "student's top-k (`rollout.student_topk`).",
     "staleness.png": "How many policy versions behind the trainer each trained row was sampled (bounded by "
-                     "`train.max_staleness`).",
+    "`train.max_staleness`).",
     "accuracy.png": "Held-out accuracy of each evaluated policy version: strict parses only `#### N`, lenient the "
-                    "last number; the dotted line is KL(teacher‖student) per token on the right axis.",
+    "last number; the dotted line is KL(teacher‖student) per token on the right axis.",
     "throughput.png": "Tokens per second of each stage, and the share of each trainer step spent waiting for "
-                      f"annotated data (faint: per step; bold: rolling mean over up to {SMOOTHING_STEPS} steps).",
+    f"annotated data (faint: per step; bold: rolling mean over up to {SMOOTHING_STEPS} steps).",
 }
 
 

@@ -53,8 +53,9 @@ class StageProcess:
 
     def start(self, env: dict) -> None:
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)  # own process group: signals reach its children
+        self.proc = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )  # own process group: signals reach its children
         log.close()
 
     def signal(self, sig: int) -> None:
@@ -87,27 +88,63 @@ def stage_commands(cfg: Config, config_path: Path, logs: Path) -> list[StageProc
     stages = []
     for w in range(cfg.run.rollout_workers):
         worker = f"w{w:02d}"
-        stages.append(StageProcess(f"rollout-{worker}", [*cli, "rollout", *common, "--worker-id", worker, "--follow"],
-                                   logs / f"rollout-{worker}.log"))
+        stages.append(
+            StageProcess(
+                f"rollout-{worker}",
+                [*cli, "rollout", *common, "--worker-id", worker, "--follow"],
+                logs / f"rollout-{worker}.log",
+            )
+        )
     teachers = cfg.run.teachers or {cfg.annotate.teacher_name: cfg.annotate.teacher}
     for name, path in teachers.items():
         for i in range(cfg.run.annotate_workers):
-            stages.append(StageProcess(
-                f"annotate-{name}-{i}",
-                [*cli, "annotate", *common, "--teacher", str(path), "--teacher-name", name,
-                 "--worker-index", str(i), "--num-workers", str(cfg.run.annotate_workers), "--follow"],
-                logs / f"annotate-{name}-{i}.log"))
+            stages.append(
+                StageProcess(
+                    f"annotate-{name}-{i}",
+                    [
+                        *cli,
+                        "annotate",
+                        *common,
+                        "--teacher",
+                        str(path),
+                        "--teacher-name",
+                        name,
+                        "--worker-index",
+                        str(i),
+                        "--num-workers",
+                        str(cfg.run.annotate_workers),
+                        "--follow",
+                    ],
+                    logs / f"annotate-{name}-{i}.log",
+                )
+            )
     stages.append(StageProcess("train", [*cli, "train", *common, "--follow"], logs / "train.log"))
     if cfg.run.evaluate and cfg.eval.prompts:
         teacher = cfg.eval.teacher or next(iter(teachers.values()))
-        stages.append(StageProcess(
-            "eval", [*cli, "eval", "--model", cfg.store.uri, "--follow", "--every", str(cfg.run.eval_every), *common,
-                     "--teacher", str(teacher)], logs / "eval.log"))
+        stages.append(
+            StageProcess(
+                "eval",
+                [
+                    *cli,
+                    "eval",
+                    "--model",
+                    cfg.store.uri,
+                    "--follow",
+                    "--every",
+                    str(cfg.run.eval_every),
+                    *common,
+                    "--teacher",
+                    str(teacher),
+                ],
+                logs / "eval.log",
+            )
+        )
     return stages
 
 
-def read_run_state(store: Store, total_steps: int | None = None, started: float | None = None,
-                   tally: ShardTally | None = None) -> dict:
+def read_run_state(
+    store: Store, total_steps: int | None = None, started: float | None = None, tally: ShardTally | None = None
+) -> dict:
     """What the dashboard and the plain progress lines show, read from the store alone.
 
     `started` (wall-clock `time.time()` of the run's start) gives the elapsed time; the ETA comes from the
@@ -128,10 +165,16 @@ def read_run_state(store: Store, total_steps: int | None = None, started: float 
         seconds_per_step = (recent[-1]["time"] - recent[0]["time"]) / (recent[-1]["step"] - recent[0]["step"])
         eta = max(total_steps - step, 0) * seconds_per_step
     return {
-        "shards": shards, "parts": parts, "metrics": metrics, "progress": progress,
-        "step": step, "total_steps": total_steps, "last_train": train[-1] if train else {},
+        "shards": shards,
+        "parts": parts,
+        "metrics": metrics,
+        "progress": progress,
+        "step": step,
+        "total_steps": total_steps,
+        "last_train": train[-1] if train else {},
         "last_eval": evals[-1] if evals else None,
-        "elapsed": time.time() - started if started is not None else None, "eta": eta,
+        "elapsed": time.time() - started if started is not None else None,
+        "eta": eta,
     }
 
 
@@ -141,8 +184,9 @@ def staleness_text(histogram: dict) -> str:
 
 
 def eval_text(record: dict) -> str:
-    return (f"v{record['version']}: strict {record['strict']:.2f}, lenient {record['lenient']:.2f}"
-            + (f", KL {record['kl']:.4f}" if record.get("kl") is not None else ""))
+    return f"v{record['version']}: strict {record['strict']:.2f}, lenient {record['lenient']:.2f}" + (
+        f", KL {record['kl']:.4f}" if record.get("kl") is not None else ""
+    )
 
 
 def step_text(state: dict) -> str:
@@ -171,8 +215,13 @@ def stage_state(stage: StageProcess) -> str:
     return "waiting to restart"
 
 
-def dashboard(store: Store, stages: list[StageProcess], total_steps: int | None = None,
-              started: float | None = None, tally: ShardTally | None = None) -> Table:
+def dashboard(
+    store: Store,
+    stages: list[StageProcess],
+    total_steps: int | None = None,
+    started: float | None = None,
+    tally: ShardTally | None = None,
+) -> Table:
     """One table from the store alone: what each stage has done so far."""
     table = Table(title=f"opd run — {store.uri}", expand=False)
     for col in ("stage", "state", "done so far"):
@@ -182,25 +231,48 @@ def dashboard(store: Store, stages: list[StageProcess], total_steps: int | None 
     except Exception as e:  # the dashboard must never take the run down
         table.add_row("store", "unreadable", str(e)[:80])
         return table
-    shards, parts, metrics, progress, last = (state["shards"], state["parts"], state["metrics"], state["progress"],
-                                              state["last_train"])
+    shards, parts, metrics, progress, last = (
+        state["shards"],
+        state["parts"],
+        state["metrics"],
+        state["progress"],
+        state["last_train"],
+    )
     versions = sorted({s.policy_version for s in shards})
-    rollout_rate = [r["tokens_per_s"] for name, rs in metrics.items() if name.startswith("rollout-")
-                    for r in rs[-1:] if "tokens_per_s" in r]
-    annotate_rate = [r["tokens_per_s"] for name, rs in metrics.items() if name.startswith("annotate-")
-                     for r in rs if r.get("event") == "annotated"][-1:]
+    rollout_rate = [
+        r["tokens_per_s"]
+        for name, rs in metrics.items()
+        if name.startswith("rollout-")
+        for r in rs[-1:]
+        if "tokens_per_s" in r
+    ]
+    annotate_rate = [
+        r["tokens_per_s"]
+        for name, rs in metrics.items()
+        if name.startswith("annotate-")
+        for r in rs
+        if r.get("event") == "annotated"
+    ][-1:]
     timing = timing_text(state)
     summary = {
-        "rollout": (f"{len(shards)} shards, versions {versions[0]}..{versions[-1]}"
-                    + (f", {sum(rollout_rate):.0f} tok/s" if rollout_rate else "")) if shards else "no shards yet",
-        "annotate": (f"{sum(len(t) for t in parts.values())} parts over {len(parts)} shards"
-                     + (f", {annotate_rate[0]:.0f} tok/s" if annotate_rate else "")),
-        "train": (f"{step_text(state)}, version {progress.get('policy_version', 0)}, "
-                  f"{progress.get('consumed_samples', 0)} samples, {progress.get('expired_samples', 0)} expired"
-                  + (f", loss {last['loss']:.4f}" if last.get("loss") is not None else "")
-                  + (f", staleness {staleness_text(last['staleness'])}" if last.get("staleness") else "")
-                  + (f", {last['tokens_per_s']:.0f} tok/s" if last.get("tokens_per_s") else "")
-                  + (f"; {timing}" if timing else "")),
+        "rollout": (
+            f"{len(shards)} shards, versions {versions[0]}..{versions[-1]}"
+            + (f", {sum(rollout_rate):.0f} tok/s" if rollout_rate else "")
+        )
+        if shards
+        else "no shards yet",
+        "annotate": (
+            f"{sum(len(t) for t in parts.values())} parts over {len(parts)} shards"
+            + (f", {annotate_rate[0]:.0f} tok/s" if annotate_rate else "")
+        ),
+        "train": (
+            f"{step_text(state)}, version {progress.get('policy_version', 0)}, "
+            f"{progress.get('consumed_samples', 0)} samples, {progress.get('expired_samples', 0)} expired"
+            + (f", loss {last['loss']:.4f}" if last.get("loss") is not None else "")
+            + (f", staleness {staleness_text(last['staleness'])}" if last.get("staleness") else "")
+            + (f", {last['tokens_per_s']:.0f} tok/s" if last.get("tokens_per_s") else "")
+            + (f"; {timing}" if timing else "")
+        ),
         "eval": eval_text(state["last_eval"]) if state["last_eval"] else "—",
     }
     for stage in stages:
@@ -208,8 +280,13 @@ def dashboard(store: Store, stages: list[StageProcess], total_steps: int | None 
     return table
 
 
-def progress_line(store: Store, total_steps: int | None = None, started: float | None = None,
-                  stages: list[StageProcess] = (), tally: ShardTally | None = None) -> str:
+def progress_line(
+    store: Store,
+    total_steps: int | None = None,
+    started: float | None = None,
+    stages: list[StageProcess] = (),
+    tally: ShardTally | None = None,
+) -> str:
     """One plain line for output that is not a terminal: steps, samples, loss, latest evaluation, ETA,
     and the stages that crashed (restarting or failed)."""
     try:
@@ -222,8 +299,11 @@ def progress_line(store: Store, total_steps: int | None = None, started: float |
         parts.append(f"loss {last['loss']:.4f}")
     if state["last_eval"]:
         parts.append(f"eval {eval_text(state['last_eval'])}")
-    troubled = [f"{stage.name} failed" if stage.failed else f"{stage.name} restarted {stage.restarts}×"
-                for stage in stages if stage.failed or (stage.restarts and not stage.finished)]
+    troubled = [
+        f"{stage.name} failed" if stage.failed else f"{stage.name} restarted {stage.restarts}×"
+        for stage in stages
+        if stage.failed or (stage.restarts and not stage.finished)
+    ]
     parts.extend(troubled)
     timing = timing_text(state)
     return "opd run: " + " | ".join(parts) + (f" | {timing}" if timing else "")
@@ -242,11 +322,12 @@ def poll_stages(stages: list[StageProcess], now: float, max_restarts: int) -> st
             stage.finished = True
         elif stage.restarts >= max_restarts:
             stage.failed = True
-            failure = failure or (f"{stage.name} exited with status {code} {len(stage.exit_codes)} time(s); "
-                                  f"see {stage.log_path}")
+            failure = failure or (
+                f"{stage.name} exited with status {code} {len(stage.exit_codes)} time(s); see {stage.log_path}"
+            )
         else:
             stage.restarts += 1
-            stage.next_start = now + min(2.0 ** stage.restarts, 30.0)
+            stage.next_start = now + min(2.0**stage.restarts, 30.0)
     return failure
 
 
@@ -280,8 +361,13 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
                 now = time.monotonic()
                 failure = poll_stages(stages, now, cfg.run.max_restarts)  # the loop ends at the first
                 for stage in stages:
-                    if (stage.proc is None and not stage.finished and not stage.failed and now >= stage.next_start
-                            and (stage.name.startswith("rollout") or store.exists("run.json"))):
+                    if (
+                        stage.proc is None
+                        and not stage.finished
+                        and not stage.failed
+                        and now >= stage.next_start
+                        and (stage.name.startswith("rollout") or store.exists("run.json"))
+                    ):
                         stage.start(env)
                 display.update()
                 trainer = next(s for s in stages if s.name == "train")
@@ -326,8 +412,9 @@ class RunDisplay:
 
     def __enter__(self):
         if not self.quiet and self.plain is None:
-            self.live = Live(self._table(), refresh_per_second=1, transient=False, redirect_stdout=False,
-                             auto_refresh=False)
+            self.live = Live(
+                self._table(), refresh_per_second=1, transient=False, redirect_stdout=False, auto_refresh=False
+            )
             self.live.__enter__()
         return self
 

@@ -12,12 +12,16 @@ dense `[total_tokens, k]` array without any per-row work.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from opd_cache import integrity
+
+if TYPE_CHECKING:
+    from opd_cache.store import Store
 
 SCHEMA_VERSION = 1
 ROLLOUT = "rollout"
@@ -163,19 +167,27 @@ class ShardMeta:
         if self.teacher is not None:
             meta[META_TEACHER] = self.teacher
             meta[META_TEMPERATURE] = "1.0"  # teacher log-probs are always of the raw distribution
-        for key, value in ((META_ENGINE, self.engine), (META_ENGINE_VERSION, self.engine_version),
-                           (META_MODEL_DTYPE, self.model_dtype)):
+        for key, value in (
+            (META_ENGINE, self.engine),
+            (META_ENGINE_VERSION, self.engine_version),
+            (META_MODEL_DTYPE, self.model_dtype),
+        ):
             if value is not None:
                 meta[key] = value
         if self.codec != "none":
             from opd_cache import codec
 
-            meta.update({codec.META_CODEC: self.codec, codec.META_CODEC_VERSION: str(codec.CODEC_VERSION),
-                         codec.META_ID_BITS: str(self.codec_id_bits)})
+            meta.update(
+                {
+                    codec.META_CODEC: self.codec,
+                    codec.META_CODEC_VERSION: str(codec.CODEC_VERSION),
+                    codec.META_ID_BITS: str(self.codec_id_bits),
+                }
+            )
         return {k.encode(): v.encode() for k, v in meta.items()}
 
     @classmethod
-    def from_metadata(cls, metadata: dict[bytes, bytes] | None, where: str) -> "ShardMeta":
+    def from_metadata(cls, metadata: dict[bytes, bytes] | None, where: str) -> ShardMeta:
         meta = {k.decode(): v.decode() for k, v in (metadata or {}).items()}
         if META_KIND not in meta:
             raise ShardError(f"{where}: not an opd_cache shard (no '{META_KIND}' in the Arrow schema metadata)")
@@ -251,9 +263,7 @@ def read_shard(store, rel: str, *, kind: str | None = None, run: dict | None = N
             raise ShardError(f"{where}: belongs to run {meta.run_id!r}, this store is run {run.get('run_id')!r}")
         fp = run.get("tokenizer_fingerprint")
         if fp and meta.tokenizer_fingerprint != fp:
-            raise ShardError(
-                f"{where}: written with tokenizer {meta.tokenizer_fingerprint!r}, this run uses {fp!r}"
-            )
+            raise ShardError(f"{where}: written with tokenizer {meta.tokenizer_fingerprint!r}, this run uses {fp!r}")
     validate_table(table, meta, where=where)
     if meta.codec == "packed":  # every reader (trainer, export, inspect) gets the plain columns
         from opd_cache.codec import decode_annotation
@@ -275,7 +285,9 @@ def validate_table(table: pa.Table, meta: ShardMeta, where: str) -> None:
             check_packed(table, meta.top_k, meta.codec_id_bits, where)
             _check_same_lengths(table, "teacher_token_logprob", [*PACKED_COLUMNS, "teacher_support_logprobs"], where)
             return
-        lp_type = table.schema.field("teacher_topk_logprobs").type if "teacher_topk_logprobs" in table.schema.names else None
+        lp_type = (
+            table.schema.field("teacher_topk_logprobs").type if "teacher_topk_logprobs" in table.schema.names else None
+        )
         dtype = "float16" if lp_type is not None and lp_type.value_type.value_type == pa.float16() else "float32"
         support_k = 0
         if "teacher_support_logprobs" in table.schema.names:
@@ -297,8 +309,12 @@ def validate_table(table: pa.Table, meta: ShardMeta, where: str) -> None:
             raise ShardError(f"{where}: row {int(np.argmin(prompt_lengths))} has an empty prompt")
         _check_same_lengths(table, "response_ids", ["behavior_logprobs", "student_topk_ids"], where)
     else:
-        _check_same_lengths(table, "teacher_token_logprob",
-                            ["teacher_topk_ids", "teacher_topk_logprobs", "teacher_support_logprobs"], where)
+        _check_same_lengths(
+            table,
+            "teacher_token_logprob",
+            ["teacher_topk_ids", "teacher_topk_logprobs", "teacher_support_logprobs"],
+            where,
+        )
 
 
 def _check_same_lengths(table: pa.Table, reference: str, others: list[str], where: str) -> None:
@@ -320,8 +336,9 @@ def check_annotation_matches(rollout: pa.Table, annotated: pa.Table, where: str)
     """An annotated part must cover the same samples, in the same order, with one entry per response token."""
     if rollout.num_rows != annotated.num_rows or not rollout["sample_id"].equals(annotated["sample_id"]):
         raise ShardError(f"{where}: sample ids differ from its rollout shard")
-    _check_lengths_equal(list_lengths(rollout["response_ids"]), list_lengths(annotated["teacher_token_logprob"]),
-                         annotated, where)
+    _check_lengths_equal(
+        list_lengths(rollout["response_ids"]), list_lengths(annotated["teacher_token_logprob"]), annotated, where
+    )
 
 
 def _check_lengths_equal(expected: np.ndarray, got: np.ndarray, table: pa.Table, where: str) -> None:
@@ -338,10 +355,22 @@ def _concat(arrays: list, dtype) -> tuple[np.ndarray, np.ndarray]:
     return flat, lengths
 
 
-def rollout_table(*, sample_ids: list[str], prompt_index, sample_index, prompt_ids: list, response_ids: list,
-                  behavior_logprobs: list, policy_version: int, finish_reason: list[str],
-                  data_source: list | None = None, ground_truth: list | None = None, extra: list | None = None,
-                  student_topk_ids: list | None = None, student_topk: int = 0) -> pa.Table:
+def rollout_table(
+    *,
+    sample_ids: list[str],
+    prompt_index,
+    sample_index,
+    prompt_ids: list,
+    response_ids: list,
+    behavior_logprobs: list,
+    policy_version: int,
+    finish_reason: list[str],
+    data_source: list | None = None,
+    ground_truth: list | None = None,
+    extra: list | None = None,
+    student_topk_ids: list | None = None,
+    student_topk: int = 0,
+) -> pa.Table:
     """A rollout table from per-row token arrays (one concatenation per column, no per-row Arrow work)."""
     n = len(sample_ids)
     prompt_flat, prompt_len = _concat(prompt_ids, np.int32)
@@ -360,19 +389,28 @@ def rollout_table(*, sample_ids: list[str], prompt_index, sample_index, prompt_i
             raise ValueError("rollout_table: student_topk_ids needs student_topk=k")
         flat = np.concatenate([np.asarray(a, dtype=np.int32).reshape(-1, student_topk) for a in student_topk_ids])
         columns["student_topk_ids"] = ragged_fixed(flat, resp_len, pa.int32())
-    columns.update({
-        "policy_version": pa.array(np.full(n, policy_version, dtype=np.int32)),
-        "finish_reason": pa.array(finish_reason, pa.string()),
-        "data_source": pa.array(data_source if data_source is not None else [None] * n, pa.string()),
-        "ground_truth": pa.array(ground_truth if ground_truth is not None else [None] * n, pa.string()),
-        "extra": pa.array(extra if extra is not None else [None] * n, pa.string()),
-    })
+    columns.update(
+        {
+            "policy_version": pa.array(np.full(n, policy_version, dtype=np.int32)),
+            "finish_reason": pa.array(finish_reason, pa.string()),
+            "data_source": pa.array(data_source if data_source is not None else [None] * n, pa.string()),
+            "ground_truth": pa.array(ground_truth if ground_truth is not None else [None] * n, pa.string()),
+            "extra": pa.array(extra if extra is not None else [None] * n, pa.string()),
+        }
+    )
     return pa.table(columns, schema=rollout_schema(student_topk))
 
 
-def annotated_table(*, sample_ids, lengths, topk_ids: np.ndarray, topk_logprobs: np.ndarray,
-                    token_logprob: np.ndarray, logprob_dtype: str = "float32",
-                    support_logprobs: np.ndarray | None = None) -> pa.Table:
+def annotated_table(
+    *,
+    sample_ids,
+    lengths,
+    topk_ids: np.ndarray,
+    topk_logprobs: np.ndarray,
+    token_logprob: np.ndarray,
+    logprob_dtype: str = "float32",
+    support_logprobs: np.ndarray | None = None,
+) -> pa.Table:
     """An annotated part from flat `[total_tokens, k]` arrays and per-row response lengths."""
     k = topk_ids.shape[1]
     support_k = support_logprobs.shape[1] if support_logprobs is not None else 0
@@ -381,11 +419,19 @@ def annotated_table(*, sample_ids, lengths, topk_ids: np.ndarray, topk_logprobs:
     columns = {
         "sample_id": pa.array(list(sample_ids), pa.string()),
         "teacher_topk_ids": ragged_fixed(topk_ids.astype(np.int32, copy=False), lengths, pa.int32()),
-        "teacher_topk_logprobs": ragged_fixed(topk_logprobs.astype(np.float16 if lp_type == pa.float16() else np.float32,
-                                                                   copy=False), lengths, lp_type),
+        "teacher_topk_logprobs": ragged_fixed(
+            topk_logprobs.astype(np.float16 if lp_type == pa.float16() else np.float32, copy=False), lengths, lp_type
+        ),
         "teacher_token_logprob": ragged(token_logprob.astype(np.float32, copy=False), lengths, pa.float32()),
     }
     if support_k:
-        columns["teacher_support_logprobs"] = ragged_fixed(support_logprobs.astype(np.float32, copy=False),
-                                                           lengths, pa.float32())
+        columns["teacher_support_logprobs"] = ragged_fixed(
+            support_logprobs.astype(np.float32, copy=False), lengths, pa.float32()
+        )
     return pa.table(columns, schema=schema)
+
+
+def count_rows(store: Store, rel: str) -> int:
+    """Rows of an Arrow IPC stream file (zero-copy through a memory map on local stores)."""
+    with store.open_input_file(rel) as source:
+        return sum(batch.num_rows for batch in pa.ipc.open_stream(source))

@@ -41,15 +41,24 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from opd_cache.integrity import (MANIFEST, ChecksumError, FileProblem, check_file, manifest_bytes, manifest_for,
-                                 parse_manifest, verify_local_folder)
+from opd_cache.integrity import (
+    MANIFEST,
+    ChecksumError,
+    FileProblem,
+    check_file,
+    manifest_bytes,
+    manifest_for,
+    parse_manifest,
+    verify_local_folder,
+)
 
 SHARD_ID_RE = re.compile(r"^v(?P<version>\d{6})-(?P<worker>[A-Za-z0-9_]{1,32})-(?P<seq>\d{6})$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -73,7 +82,9 @@ def validate_name(kind: str, name: str) -> str:
 
 def validate_worker_id(worker: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9_]{1,32}", worker or ""):
-        raise ValueError(f"invalid worker id {worker!r}: use 1-32 letters, digits or '_' (it becomes part of shard names)")
+        raise ValueError(
+            f"invalid worker id {worker!r}: use 1-32 letters, digits or '_' (it becomes part of shard names)"
+        )
     return worker
 
 
@@ -100,7 +111,9 @@ class ShardInfo:
 def parse_shard_id(shard_id: str) -> tuple[int, str, int]:
     m = SHARD_ID_RE.match(shard_id)
     if not m:
-        raise ValueError(f"invalid shard id {shard_id!r}: expected v<6 digits>-<worker>-<6 digits>, e.g. v000003-w02-000117")
+        raise ValueError(
+            f"invalid shard id {shard_id!r}: expected v<6 digits>-<worker>-<6 digits>, e.g. v000003-w02-000117"
+        )
     return int(m["version"]), m["worker"], int(m["seq"])
 
 
@@ -337,8 +350,11 @@ class Store:
 
     def list_dirs(self, rel: str) -> list[str]:
         sel = pafs.FileSelector(self.path(rel), allow_not_found=True)
-        return sorted(i.base_name for i in self.fs.get_file_info(sel)
-                      if i.type == pafs.FileType.Directory and not _is_tmp(i.base_name))
+        return sorted(
+            i.base_name
+            for i in self.fs.get_file_info(sel)
+            if i.type == pafs.FileType.Directory and not _is_tmp(i.base_name)
+        )
 
     def upload_dir(self, local_dir: str | os.PathLike, rel: str) -> None:
         """Copy a local directory's files into the store under `rel` (each file atomically)."""
@@ -352,13 +368,13 @@ class Store:
         local_dir = Path(local_dir)
         prefix = self.path(rel) + "/"
         for info in self.list_files(rel, recursive=True):
-            name = info.path[len(prefix):]
+            name = info.path[len(prefix) :]
             if any(part in ("", ".", "..") for part in name.split("/")):
                 # an object key like "policy/v000003/../../x" must not write outside `local_dir`
                 raise StoreError(f"{info.path}: refusing to download a file whose name leaves {self.path(rel)}")
             target = local_dir / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(self.read_bytes(info.path[len(self.root) + 1:]))
+            target.write_bytes(self.read_bytes(info.path[len(self.root) + 1 :]))
         return local_dir
 
     def _makedirs(self, full_dir: str) -> None:
@@ -378,8 +394,12 @@ class Store:
         fields = {k: v for k, v in fields.items() if v is not None}
         run = self.read_run()
         if run is None:
-            new = {"run_id": uuid.uuid4().hex[:12], "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   "schema_version": _schema_version(), **fields}
+            new = {
+                "run_id": uuid.uuid4().hex[:12],
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "schema_version": _schema_version(),
+                **fields,
+            }
             self.create_if_absent("run.json", (json.dumps(new, indent=2, sort_keys=True) + "\n").encode())
             run = self.read_run()
         self.check_run(run, **fields)
@@ -420,7 +440,7 @@ class Store:
         prefix = self.path("rollouts") + "/"
         shards = []
         for info in infos:
-            rel = info.path[len(prefix):]
+            rel = info.path[len(prefix) :]
             folder, _, name = rel.rpartition("/")
             if not name.endswith(".arrow"):
                 continue
@@ -439,12 +459,15 @@ class Store:
         if versions is None:
             infos = self.list_files("annotated", recursive=True)
         else:
-            infos = [i for v in sorted(set(versions))
-                     for i in self.list_files(f"annotated/{partition_name(v)}", recursive=True)]
+            infos = [
+                i
+                for v in sorted(set(versions))
+                for i in self.list_files(f"annotated/{partition_name(v)}", recursive=True)
+            ]
         parts: dict[str, set[str]] = {}
         prefix = self.path("annotated") + "/"
         for info in infos:
-            rel = info.path[len(prefix):]
+            rel = info.path[len(prefix) :]
             if not rel.endswith(".arrow"):
                 continue
             names = rel[: -len(".arrow")].split("/")
@@ -461,9 +484,11 @@ class Store:
         flat = [s.path for s in shards if s.path != self.rollout_path(s.shard_id)]
         if not flat:
             return None
-        return (f"{self.path(flat[0])} and {len(flat) - 1} more shards are in the flat layout of earlier opd_cache "
-                f"versions (rollouts/<shard>.arrow); run `opd migrate --store {self.uri}` once, "
-                f"with no stage running")
+        return (
+            f"{self.path(flat[0])} and {len(flat) - 1} more shards are in the flat layout of earlier opd_cache "
+            f"versions (rollouts/<shard>.arrow); run `opd migrate --store {self.uri}` once, "
+            f"with no stage running"
+        )
 
     def list_dataset(self) -> tuple[list[ShardInfo], dict[str, set[str]]]:
         """Every rollout shard and annotated part (full listings), for the readers of a whole store (export,
@@ -557,8 +582,11 @@ class Store:
         """
         if after is not None:
             latest = self.latest_version()
-            return [v for v in range(max(after, 0) + 1, latest + 1)
-                    if v == latest or self.exists(f"{self.policy_dir(v)}/{COMPLETE_MARKER}")]
+            return [
+                v
+                for v in range(max(after, 0) + 1, latest + 1)
+                if v == latest or self.exists(f"{self.policy_dir(v)}/{COMPLETE_MARKER}")
+            ]
         versions = []
         for name in self.list_dirs("policy"):
             if PARTITION_RE.fullmatch(name) and self.exists(f"policy/{name}/{COMPLETE_MARKER}"):
@@ -574,14 +602,18 @@ class Store:
         """
         try:
             progress = self.read_json("train/progress.json", default={})
-            problem = None if isinstance(progress, dict) else \
-                f"{self.path('train/progress.json')} holds a {type(progress).__name__}, not an object"
+            problem = (
+                None
+                if isinstance(progress, dict)
+                else f"{self.path('train/progress.json')} holds a {type(progress).__name__}, not an object"
+            )
         except StoreError as e:
             problem = str(e)
         if problem is None:
             return progress
-        print(f"warning: {problem}; treating it as not yet written (the trainer rewrites it every step)",
-              file=sys.stderr)
+        print(
+            f"warning: {problem}; treating it as not yet written (the trainer rewrites it every step)", file=sys.stderr
+        )
         return {}
 
     def write_progress(self, progress: dict) -> None:
@@ -611,7 +643,9 @@ class Store:
         out = {}
         for info in self.list_files("quarantine"):
             if info.base_name.endswith(".reason.txt"):
-                out[info.base_name[: -len(".reason.txt")]] = self.read_bytes(f"quarantine/{info.base_name}").decode().strip()
+                out[info.base_name[: -len(".reason.txt")]] = (
+                    self.read_bytes(f"quarantine/{info.base_name}").decode().strip()
+                )
         return out
 
 
@@ -717,7 +751,7 @@ def _filesystem_for(uri: str, s3_endpoint: str | None) -> tuple[pafs.FileSystem,
             connect_timeout=5,
             request_timeout=30,
         )
-        return fs, uri[len("s3://"):]
+        return fs, uri[len("s3://") :]
     try:
         return pafs.FileSystem.from_uri(uri)
     except (pa.ArrowInvalid, OSError) as e:

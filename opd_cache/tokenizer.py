@@ -54,7 +54,10 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     Padding side, chat template and model_max_length do not change it: they do
     not change what an id means.
     """
-    payload = {"vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]), "special": _special_tokens(tokenizer)}
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
+        "special": _special_tokens(tokenizer),
+    }
     blob = json.dumps(payload, ensure_ascii=True, separators=(",", ":"), sort_keys=True)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 

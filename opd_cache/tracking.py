@@ -30,8 +30,10 @@ def check_trackers(report_to: list[str]) -> None:
     for name in report_to:
         package = TRACKERS[name]
         if importlib.util.find_spec(package) is None:
-            raise ValueError(f"train.report_to {name}: the {package} package is not installed: "
-                             f"pip install 'opd-cache[{name}]' (or pip install {package})")
+            raise ValueError(
+                f"train.report_to {name}: the {package} package is not installed: "
+                f"pip install 'opd-cache[{name}]' (or pip install {package})"
+            )
 
 
 def train_metrics(record: dict, trained_samples: int | None = None) -> dict[str, float]:
@@ -70,17 +72,25 @@ class Tracker:
             else:
                 log_dir = os.path.join("tensorboard", run_id)
             # one folder per job: TensorBoard shows the trainer and the evaluator as two runs of one experiment
-            self.tensorboard = SummaryWriter(log_dir=str(log_dir if job == "train" else os.path.join(log_dir, job)),
-                                             flush_secs=10)  # live: the default waits two minutes
+            self.tensorboard = SummaryWriter(
+                log_dir=str(log_dir if job == "train" else os.path.join(log_dir, job)), flush_secs=10
+            )  # live: the default waits two minutes
         if "wandb" in report_to:
             import wandb
 
             wandb_dir = os.environ.get("WANDB_DIR") or (str(store.local_path("metrics")) if store.is_local else None)
             if wandb_dir:
                 os.makedirs(wandb_dir, exist_ok=True)
-            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "opd_cache"), id=f"{run_id}-{job}",
-                                    name=f"{run_id}-{job}", group=run_id, job_type=job, dir=wandb_dir,
-                                    config=config, resume="allow")
+            self.wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "opd_cache"),
+                id=f"{run_id}-{job}",
+                name=f"{run_id}-{job}",
+                group=run_id,
+                job_type=job,
+                dir=wandb_dir,
+                config=config,
+                resume="allow",
+            )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.tensorboard is not None:

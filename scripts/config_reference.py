@@ -1,7 +1,7 @@
 """Write docs/configuration.md from the typed config (opd_cache/config.py): every key, type and default.
 
-    python scripts/config_reference.py          # rewrite the page
-    python scripts/config_reference.py --check  # exit 1 if the page is out of date (the test suite runs this)
+python scripts/config_reference.py          # rewrite the page
+python scripts/config_reference.py --check  # exit 1 if the page is out of date (the test suite runs this)
 """
 
 from __future__ import annotations
@@ -71,8 +71,10 @@ def section_rows(model: type[BaseModel], prefix: str) -> list[str]:
         default = field.default
         default_text = "" if default is None else f"`{default!r}`"
         type_text = _type_name(annotation).replace("|", "\\|")
-        rows.append(f"| `{key}` | `{type_text}` | {default_text} | {constraint_text(field.metadata)} | "
-                    f"{comments.get(name, '').replace('|', '/')} |")
+        rows.append(
+            f"| `{key}` | `{type_text}` | {default_text} | {constraint_text(field.metadata)} | "
+            f"{comments.get(name, '').replace('|', '/')} |"
+        )
     return rows
 
 

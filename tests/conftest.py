@@ -86,8 +86,12 @@ def s3_endpoint():
         pytest.skip("moto[server] is not installed (pip install -e '.[dev]')")
     port = _free_port()
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     deadline = time.time() + 20
     while time.time() < deadline:
         try:
@@ -118,9 +122,19 @@ def s3_store(s3_endpoint, monkeypatch, request):
     return store
 
 
-def write_random_rollout_shard(store, *, shard_id: str, num_rows: int = 4, vocab_size: int = 32,
-                               prompt_len: int = 5, max_response: int = 6, seed: int = 0, run: dict | None = None,
-                               student_topk: int = 0, data_source: str | None = None):
+def write_random_rollout_shard(
+    store,
+    *,
+    shard_id: str,
+    num_rows: int = 4,
+    vocab_size: int = 32,
+    prompt_len: int = 5,
+    max_response: int = 6,
+    seed: int = 0,
+    run: dict | None = None,
+    student_topk: int = 0,
+    data_source: str | None = None,
+):
     """A syntactically valid rollout shard with random tokens (for storage/annotate/train tests)."""
     from opd_cache.schema import ROLLOUT, ShardMeta, rollout_table, write_shard
     from opd_cache.store import parse_shard_id
@@ -131,16 +145,26 @@ def write_random_rollout_shard(store, *, shard_id: str, num_rows: int = 4, vocab
     lengths = rng.integers(0, max_response + 1, size=num_rows)
     table = rollout_table(
         sample_ids=[f"{shard_id}-{i}" for i in range(num_rows)],
-        prompt_index=np.arange(num_rows), sample_index=np.zeros(num_rows),
+        prompt_index=np.arange(num_rows),
+        sample_index=np.zeros(num_rows),
         prompt_ids=[rng.integers(1, vocab_size, size=prompt_len) for _ in range(num_rows)],
         response_ids=[rng.integers(1, vocab_size, size=n) for n in lengths],
         behavior_logprobs=[-rng.random(n) for n in lengths],
-        policy_version=version, finish_reason=["stop"] * num_rows,
+        policy_version=version,
+        finish_reason=["stop"] * num_rows,
         data_source=[data_source] * num_rows if data_source else None,
-        student_topk_ids=[rng.integers(0, vocab_size, size=(n, student_topk)) for n in lengths] if student_topk else None,
+        student_topk_ids=[rng.integers(0, vocab_size, size=(n, student_topk)) for n in lengths]
+        if student_topk
+        else None,
         student_topk=student_topk,
     )
-    meta = ShardMeta(kind=ROLLOUT, run_id=run["run_id"], tokenizer_fingerprint=run["tokenizer_fingerprint"],
-                     shard_id=shard_id, policy_version=version, student_topk=student_topk)
+    meta = ShardMeta(
+        kind=ROLLOUT,
+        run_id=run["run_id"],
+        tokenizer_fingerprint=run["tokenizer_fingerprint"],
+        shard_id=shard_id,
+        policy_version=version,
+        student_topk=student_topk,
+    )
     write_shard(store, store.rollout_path(shard_id), table, meta)
     return table

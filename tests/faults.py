@@ -13,9 +13,11 @@ from opd_cache import integrity
 def damage_offsets(size: int, rng: np.random.Generator) -> dict[str, int]:
     """One seeded random offset in each region of a file: its header, its middle and its footer (last 64 bytes)."""
     head = max(1, min(64, size // 4))
-    return {"header": int(rng.integers(0, head)),
-            "middle": int(rng.integers(size // 4, max(size // 4 + 1, 3 * size // 4))),
-            "footer": int(rng.integers(max(0, size - 64), size))}
+    return {
+        "header": int(rng.integers(0, head)),
+        "middle": int(rng.integers(size // 4, max(size // 4 + 1, 3 * size // 4))),
+        "footer": int(rng.integers(max(0, size - 64), size)),
+    }
 
 
 def flip_bytes(path: Path, offset: int, count: int = 1) -> None:
@@ -35,7 +37,7 @@ def reseal_shard(path: Path) -> None:
     """Recompute a shard's checksum trailer after crafting its payload (an attacker with write access can)."""
     data = Path(path).read_bytes()
     if data.endswith(integrity.TRAILER_MAGIC):
-        data = data[:-integrity.TRAILER_SIZE]
+        data = data[: -integrity.TRAILER_SIZE]
     Path(path).write_bytes(data + integrity.trailer(data))
 
 

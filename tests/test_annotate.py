@@ -27,7 +27,16 @@ from typer.testing import CliRunner
 from opd_cache.annotate import Annotator, annotate, shard_owner
 from opd_cache.config import AnnotateConfig
 from opd_cache.models import build_tiny_model, load_causal_lm, save_causal_lm
-from opd_cache.schema import ANNOTATED, ROLLOUT, ShardMeta, flat_values, list_lengths, read_shard, rollout_table, write_shard
+from opd_cache.schema import (
+    ANNOTATED,
+    ROLLOUT,
+    ShardMeta,
+    flat_values,
+    list_lengths,
+    read_shard,
+    rollout_table,
+    write_shard,
+)
 from opd_cache.store import StoreError, make_shard_id
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tests.conftest import REPO, write_random_rollout_shard
@@ -43,8 +52,11 @@ def teacher_path(tiny_model_factory) -> Path:
 @pytest.fixture
 def store(local_store, tokenizer, tiny_model_factory):
     """A store whose run.json carries the real tokenizer fingerprint and a loadable student."""
-    local_store.ensure_run(student=str(tiny_model_factory("student", seed=0)),
-                           tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer))
+    local_store.ensure_run(
+        student=str(tiny_model_factory("student", seed=0)),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        vocab_size=len(tokenizer),
+    )
     return local_store
 
 
@@ -54,8 +66,9 @@ def write_shards(store, count: int, version: int = 0, worker: str = "w00", **kwa
         shard_id = make_shard_id(version, worker, seq)
         kwargs.setdefault("num_rows", 6)
         kwargs.setdefault("max_response", 8)
-        write_random_rollout_shard(store, shard_id=shard_id, vocab_size=VOCAB, seed=version * 1000 + seq,
-                                   run=store.require_run(), **kwargs)
+        write_random_rollout_shard(
+            store, shard_id=shard_id, vocab_size=VOCAB, seed=version * 1000 + seq, run=store.require_run(), **kwargs
+        )
         ids.append(shard_id)
     return ids
 
@@ -75,7 +88,9 @@ def rows_of(table, column):
 @torch.inference_mode()
 def direct(model, prompt, response):
     ids = torch.from_numpy(np.concatenate([prompt, response]).astype(np.int64))[None]
-    return torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)[len(prompt) - 1: len(prompt) - 1 + len(response)]
+    return torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)[
+        len(prompt) - 1 : len(prompt) - 1 + len(response)
+    ]
 
 
 # ---------------------------------------------------------------- exactness
@@ -88,19 +103,32 @@ def test_annotations_equal_direct_computation(store, teacher_path, dtype):
 
     rollout, _ = read_shard(store, store.rollout_path(shard_id), kind=ROLLOUT)
     part, meta = read_part(store, shard_id)
-    assert (meta.kind, meta.top_k, meta.teacher, meta.policy_version, meta.shard_id) == (ANNOTATED, k, "teacher", 0, shard_id)
+    assert (meta.kind, meta.top_k, meta.teacher, meta.policy_version, meta.shard_id) == (
+        ANNOTATED,
+        k,
+        "teacher",
+        0,
+        shard_id,
+    )
     assert part.schema.metadata[b"opd.teacher_temperature"] == b"1.0"
     assert part["sample_id"].equals(rollout["sample_id"])
-    assert str(part.schema.field("teacher_topk_logprobs").type.value_type.value_type) == ("halffloat" if dtype == "float16" else "float")
+    assert str(part.schema.field("teacher_topk_logprobs").type.value_type.value_type) == (
+        "halffloat" if dtype == "float16" else "float"
+    )
 
     model = load_causal_lm(teacher_path)
     # float32: to 1e-6; float16 storage: to float16 rounding (half an ulp, 2**-11 relative)
-    tol = dict(rtol=0, atol=1e-6) if dtype == "float32" else dict(rtol=2 ** -11, atol=1e-6)
+    tol = dict(rtol=0, atol=1e-6) if dtype == "float32" else dict(rtol=2**-11, atol=1e-6)
     outside = 0
     for prompt, response, student_topk, ids, lps, tok, support in zip(
-            rows_of(rollout, "prompt_ids"), rows_of(rollout, "response_ids"), rows_of(rollout, "student_topk_ids"),
-            rows_of(part, "teacher_topk_ids"), rows_of(part, "teacher_topk_logprobs"),
-            rows_of(part, "teacher_token_logprob"), rows_of(part, "teacher_support_logprobs")):
+        rows_of(rollout, "prompt_ids"),
+        rows_of(rollout, "response_ids"),
+        rows_of(rollout, "student_topk_ids"),
+        rows_of(part, "teacher_topk_ids"),
+        rows_of(part, "teacher_topk_logprobs"),
+        rows_of(part, "teacher_token_logprob"),
+        rows_of(part, "teacher_support_logprobs"),
+    ):
         assert len(ids) == len(response)
         if not len(response):
             continue
@@ -109,8 +137,12 @@ def test_annotations_equal_direct_computation(store, teacher_path, dtype):
         np.testing.assert_array_equal(ids, top.indices.numpy())
         np.testing.assert_allclose(lps.astype(np.float32), top.values.numpy(), **tol)
         # the sampled token's and the support log-probs are float32 in every storage dtype
-        np.testing.assert_allclose(tok, ref.gather(1, torch.from_numpy(response.astype(np.int64))[:, None])[:, 0], rtol=0, atol=1e-6)
-        np.testing.assert_allclose(support, ref.gather(1, torch.from_numpy(student_topk.astype(np.int64))), rtol=0, atol=1e-6)
+        np.testing.assert_allclose(
+            tok, ref.gather(1, torch.from_numpy(response.astype(np.int64))[:, None])[:, 0], rtol=0, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            support, ref.gather(1, torch.from_numpy(student_topk.astype(np.int64))), rtol=0, atol=1e-6
+        )
         outside += int((~(ids == response[:, None]).any(axis=1)).sum())
     assert outside > 0  # some sampled tokens were outside the top-k, and their log-probs were exact
 
@@ -142,21 +174,36 @@ def test_token_budget_does_not_change_outputs_and_rerun_is_bitwise_identical(sto
 def test_two_workers_annotate_every_shard_exactly_once(store, teacher_path):
     shard_ids = write_shards(store, 10, num_rows=3)
     assert {shard_owner(s, 2) for s in shard_ids} == {0, 1}  # both workers have work
-    stats = [annotate(store, config(teacher_path, top_k=4, worker_index=i, num_workers=2), progress=False)
-             for i in (0, 1)]
+    stats = [
+        annotate(store, config(teacher_path, top_k=4, worker_index=i, num_workers=2), progress=False) for i in (0, 1)
+    ]
     assert set(stats[0].annotated).isdisjoint(stats[1].annotated)
     assert sorted(stats[0].annotated + stats[1].annotated) == shard_ids
     assert all(shard_owner(s, 2) == i for i in (0, 1) for s in stats[i].annotated)
     assert store.list_annotated_parts() == {s: {"teacher"} for s in shard_ids}
-    assert [annotate(store, config(teacher_path, top_k=4, worker_index=i, num_workers=2), progress=False).annotated
-            for i in (0, 1)] == [[], []]
+    assert [
+        annotate(store, config(teacher_path, top_k=4, worker_index=i, num_workers=2), progress=False).annotated
+        for i in (0, 1)
+    ] == [[], []]
     assert shard_owner("v000001-w03-000042", 7) == 1  # crc32 (not the salted hash()): the same on every machine
 
 
 def test_sigkilled_worker_restarted_leaves_no_partial_or_duplicate_part(store, teacher_path):
     shard_ids = write_shards(store, 24, num_rows=8, max_response=12)
-    cmd = [sys.executable, "-m", "opd_cache.cli", "annotate", "--store", store.uri, "--teacher", str(teacher_path),
-           "--top-k", "4", "--max-tokens-per-batch", "32"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "opd_cache.cli",
+        "annotate",
+        "--store",
+        store.uri,
+        "--teacher",
+        str(teacher_path),
+        "--top-k",
+        "4",
+        "--max-tokens-per-batch",
+        "32",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the one_thread fixture (conftest.py), for the subprocess
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -189,8 +236,9 @@ def test_sigkilled_worker_restarted_leaves_no_partial_or_duplicate_part(store, t
     annotate(store, config(teacher_path, top_k=4, max_tokens_per_batch=32), progress=False)
     after, _ = read_part(store, killed_part)
     assert after["teacher_topk_ids"].equals(before["teacher_topk_ids"])
-    np.testing.assert_allclose(flat_values(after["teacher_token_logprob"]), flat_values(before["teacher_token_logprob"]),
-                               rtol=0, atol=1e-6)
+    np.testing.assert_allclose(
+        flat_values(after["teacher_token_logprob"]), flat_values(before["teacher_token_logprob"]), rtol=0, atol=1e-6
+    )
 
 
 def test_stale_shards_are_skipped_and_counted(store, teacher_path, tmp_path):
@@ -232,15 +280,29 @@ def write_routed_shard(store, shard_id: str, sources: list[str | None]) -> None:
     n = len(sources)
     lengths = rng.integers(1, 6, size=n)
     table = rollout_table(
-        sample_ids=[f"{shard_id}-{i}" for i in range(n)], prompt_index=np.arange(n), sample_index=np.zeros(n),
+        sample_ids=[f"{shard_id}-{i}" for i in range(n)],
+        prompt_index=np.arange(n),
+        sample_index=np.zeros(n),
         prompt_ids=[rng.integers(1, VOCAB, size=4) for _ in range(n)],
         response_ids=[rng.integers(1, VOCAB, size=m) for m in lengths],
-        behavior_logprobs=[-rng.random(m) for m in lengths], policy_version=0, finish_reason=["stop"] * n,
-        data_source=sources)
+        behavior_logprobs=[-rng.random(m) for m in lengths],
+        policy_version=0,
+        finish_reason=["stop"] * n,
+        data_source=sources,
+    )
     run = store.require_run()
-    write_shard(store, store.rollout_path(shard_id), table,
-                ShardMeta(kind=ROLLOUT, run_id=run["run_id"], tokenizer_fingerprint=run["tokenizer_fingerprint"],
-                          shard_id=shard_id, policy_version=0))
+    write_shard(
+        store,
+        store.rollout_path(shard_id),
+        table,
+        ShardMeta(
+            kind=ROLLOUT,
+            run_id=run["run_id"],
+            tokenizer_fingerprint=run["tokenizer_fingerprint"],
+            shard_id=shard_id,
+            policy_version=0,
+        ),
+    )
 
 
 def test_routing_sends_each_row_to_its_teacher(store, tiny_model_factory):
@@ -248,8 +310,13 @@ def test_routing_sends_each_row_to_its_teacher(store, tiny_model_factory):
     write_routed_shard(store, mixed, ["math", "code", "math", None, "poetry", "code"])
     write_routed_shard(store, only_math, ["math", "math"])
     routing = {"math": "tA", "code": "tB"}
-    a = annotate(store, config(tiny_model_factory("teacher", seed=1), top_k=4, teacher_name="tA", routing=routing,
-                               default_teacher="tB"), progress=False)
+    a = annotate(
+        store,
+        config(
+            tiny_model_factory("teacher", seed=1), top_k=4, teacher_name="tA", routing=routing, default_teacher="tB"
+        ),
+        progress=False,
+    )
     # the second teacher's job adopts the routing recorded in run.json
     b = annotate(store, config(tiny_model_factory("teacher", seed=2), top_k=4, teacher_name="tB"), progress=False)
     assert sorted(a.annotated) == sorted(b.annotated) == [mixed, only_math]
@@ -263,8 +330,11 @@ def test_routing_sends_each_row_to_its_teacher(store, tiny_model_factory):
     assert read_part(store, only_math, "tB")[0].num_rows == 0  # still written: completeness is decidable
 
     with pytest.raises(StoreError, match="routing is .* in this store but"):
-        Annotator(store, config(tiny_model_factory("teacher", seed=1), teacher_name="tA", routing={"math": "tB"}),
-                  progress=False)
+        Annotator(
+            store,
+            config(tiny_model_factory("teacher", seed=1), teacher_name="tA", routing={"math": "tB"}),
+            progress=False,
+        )
     with pytest.raises(ValueError, match="the routing in run.json sends no rows to it"):
         Annotator(store, config(tiny_model_factory("teacher", seed=1), teacher_name="tC"), progress=False)
 
@@ -303,7 +373,9 @@ def test_tokenizer_mismatch_names_both_models_and_the_first_differing_token(stor
 
 
 def test_top_k_larger_than_the_vocabulary_is_refused(store, teacher_path):
-    with pytest.raises(ValueError, match=rf"--top-k 100 is larger than the vocabulary of teacher .* \({VOCAB} tokens\)"):
+    with pytest.raises(
+        ValueError, match=rf"--top-k 100 is larger than the vocabulary of teacher .* \({VOCAB} tokens\)"
+    ):
         Annotator(store, config(teacher_path, top_k=100), progress=False)
     assert "top_k" not in store.require_run()
 
@@ -318,7 +390,10 @@ def test_corrupt_rollout_shard_is_quarantined_and_the_worker_goes_on(store, teac
     assert stats.annotated == [shard_ids[0], shard_ids[2]]
     assert not store.exists(bad)
     reasons = store.list_quarantine()
-    assert list(reasons) == [bad.replace("/", "__")] and "truncated or not an Arrow IPC stream" in reasons[bad.replace("/", "__")]
+    assert (
+        list(reasons) == [bad.replace("/", "__")]
+        and "truncated or not an Arrow IPC stream" in reasons[bad.replace("/", "__")]
+    )
 
 
 def test_token_ids_outside_the_vocabulary_are_quarantined(store, teacher_path):
@@ -329,7 +404,9 @@ def test_token_ids_outside_the_vocabulary_are_quarantined(store, teacher_path):
     write_shard(store, store.rollout_path(shard_id), rollout.set_column(column, "prompt_ids", huge), meta)
     stats = annotate(store, config(teacher_path, top_k=4), progress=False)
     assert stats.quarantined == [shard_id]
-    assert "column 'prompt_ids' holds token id 200, outside the vocabulary 0..98" in next(iter(store.list_quarantine().values()))
+    assert "column 'prompt_ids' holds token id 200, outside the vocabulary 0..98" in next(
+        iter(store.list_quarantine().values())
+    )
 
 
 # ---------------------------------------------------------------- CLI
@@ -338,19 +415,37 @@ def test_cli_annotates_and_reports_errors_in_one_line(store, teacher_path):
 
     write_shards(store, 2, num_rows=2)
     runner = CliRunner()
-    result = runner.invoke(app, ["annotate", "--store", store.uri, "--teacher", str(teacher_path), "--top-k", "3",
-                                 "--dtype", "float16", "--max-shards", "1"])
+    result = runner.invoke(
+        app,
+        [
+            "annotate",
+            "--store",
+            store.uri,
+            "--teacher",
+            str(teacher_path),
+            "--top-k",
+            "3",
+            "--dtype",
+            "float16",
+            "--max-shards",
+            "1",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "annotated 1 shards" in result.output
     assert len(store.list_annotated_parts()) == 1
 
-    result = runner.invoke(app, ["annotate", "--store", store.uri, "--teacher", str(teacher_path), "--top-k", "500",
-                                 "--teacher-name", "big"])
+    result = runner.invoke(
+        app,
+        ["annotate", "--store", store.uri, "--teacher", str(teacher_path), "--top-k", "500", "--teacher-name", "big"],
+    )
     assert result.exit_code == 2
     assert result.output.strip().count("\n") == 0 and "--top-k 500 is larger than the vocabulary" in result.output
 
-    result = runner.invoke(app, ["annotate", "--store", store.uri, "--teacher", str(teacher_path),
-                                 "--worker-index", "2", "--num-workers", "2"])
+    result = runner.invoke(
+        app,
+        ["annotate", "--store", store.uri, "--teacher", str(teacher_path), "--worker-index", "2", "--num-workers", "2"],
+    )
     assert result.exit_code == 2 and "worker_index 2 must be < num_workers 2" in result.output
 
 

@@ -64,8 +64,11 @@ def assert_refused_like(result, pattern: str) -> None:
 
 def snapshot(root: Path) -> dict[str, str]:
     """sha256 of every file under `root` (temporary files included: none may be left behind)."""
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 # ---------------------------------------------------------------------------------------------- the store
@@ -82,14 +85,40 @@ def prompts(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, prompts) -> Path:
     root = tmp_path_factory.mktemp("prepared") / "store"
-    rollout = ["rollout", "--store", root, "--student", STUDENT, "--prompts", prompts, "--n", "2",
-               "--max-new-tokens", "6", "--flush-rows", "8", "--set", "rollout.batch_prompts=4"]
+    rollout = [
+        "rollout",
+        "--store",
+        root,
+        "--student",
+        STUDENT,
+        "--prompts",
+        prompts,
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--flush-rows",
+        "8",
+        "--set",
+        "rollout.batch_prompts=4",
+    ]
     steps = [
         [*rollout, "--max-shards", "2"],
         ["annotate", "--store", root, "--teacher", TEACHER, "--top-k", "4"],
         # stops when the data runs out (not at max-steps): no train/DONE, as for a trainer that will go on
-        ["train", "--store", root, "--max-steps", "10", "--global-batch-samples", "8", "--lr", "1e-3",
-         "--set", "train.save_every=1"],
+        [
+            "train",
+            "--store",
+            root,
+            "--max-steps",
+            "10",
+            "--global-batch-samples",
+            "8",
+            "--lr",
+            "1e-3",
+            "--set",
+            "train.save_every=1",
+        ],
         [*rollout, "--max-shards", "3"],
         ["annotate", "--store", root, "--teacher", TEACHER],
     ]
@@ -131,24 +160,30 @@ def test_control_the_commands_of_the_matrix_work_on_an_undamaged_copy(store, pro
 # ---------------------------------------------------------------------------------------------- CLI and config
 def test_unknown_set_key(store):
     before = snapshot(store)
-    assert_refused(opd("train", "--store", store, "--set", "train.lrr=1"),
-                   "invalid configuration: unknown config key 'train.lrr' (value 1); check the spelling against "
-                   "`docs/configuration.md`")
+    assert_refused(
+        opd("train", "--store", store, "--set", "train.lrr=1"),
+        "invalid configuration: unknown config key 'train.lrr' (value 1); check the spelling against "
+        "`docs/configuration.md`",
+    )
     assert snapshot(store) == before
 
 
 def test_set_without_value(store):
-    assert_refused(opd("train", "--store", store, "--set", "train.lr"),
-                   "--set 'train.lr': expected dotted.key=value, e.g. --set train.lr=3e-4")
+    assert_refused(
+        opd("train", "--store", store, "--set", "train.lr"),
+        "--set 'train.lr': expected dotted.key=value, e.g. --set train.lr=3e-4",
+    )
 
 
 def test_wrong_type_in_yaml(store, tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("train:\n  max_steps: many\n")
     before = snapshot(store)
-    assert_refused(opd("train", "--store", store, "--config", config),
-                   f"invalid configuration in {config}: config key 'train.max_steps' = 'many': Input should be a "
-                   f"valid integer, unable to parse string as an integer")
+    assert_refused(
+        opd("train", "--store", store, "--config", config),
+        f"invalid configuration in {config}: config key 'train.max_steps' = 'many': Input should be a "
+        f"valid integer, unable to parse string as an integer",
+    )
     assert snapshot(store) == before
 
 
@@ -156,28 +191,34 @@ def test_yaml_that_is_not_utf8(store, tmp_path):
     config = tmp_path / "latin1.yaml"
     data = "train:\n  lr: 1e-3  # café\n".encode("latin-1")
     config.write_bytes(data)
-    assert_refused(opd("train", "--store", store, "--config", config),
-                   f"--config {config}: line 2 is not valid UTF-8 (byte {data.index('é'.encode('latin-1'))})")
+    assert_refused(
+        opd("train", "--store", store, "--config", config),
+        f"--config {config}: line 2 is not valid UTF-8 (byte {data.index('é'.encode('latin-1'))})",
+    )
 
 
 def test_yaml_syntax_error_is_one_line(store, tmp_path):
     config = tmp_path / "broken.yaml"
     config.write_text("train: [1, 2\n")
-    assert_refused(opd("train", "--store", store, "--config", config),
-                   f"--config {config}: not valid YAML at line 2, column 1: expected ',' or ']', but got "
-                   f"'<stream end>'")
+    assert_refused(
+        opd("train", "--store", store, "--config", config),
+        f"--config {config}: not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'",
+    )
 
 
 def test_missing_config_file(store, tmp_path):
-    assert_refused(opd("annotate", "--store", store, "--config", tmp_path / "nope.yaml"),
-                   f"--config {tmp_path / 'nope.yaml'}: file not found")
+    assert_refused(
+        opd("annotate", "--store", store, "--config", tmp_path / "nope.yaml"),
+        f"--config {tmp_path / 'nope.yaml'}: file not found",
+    )
 
 
 def test_negative_staleness(store):
     before = snapshot(store)
-    assert_refused(opd("train", "--store", store, "--max-staleness", "-1"),
-                   "invalid configuration: config key 'train.max_staleness' = -1: Input should be greater than or "
-                   "equal to 0")
+    assert_refused(
+        opd("train", "--store", store, "--max-staleness", "-1"),
+        "invalid configuration: config key 'train.max_staleness' = -1: Input should be greater than or equal to 0",
+    )
     assert snapshot(store) == before
 
 
@@ -185,64 +226,81 @@ def test_unknown_loss(store):
     from opd_cache.losses import LOSSES, POLICY_GRADIENT
 
     before = snapshot(store)
-    assert_refused(opd("train", "--store", store, "--loss", "kl_forward"),
-                   f"--loss 'kl_forward' is not a loss; use one of {', '.join([*LOSSES, POLICY_GRADIENT])}")
+    assert_refused(
+        opd("train", "--store", store, "--loss", "kl_forward"),
+        f"--loss 'kl_forward' is not a loss; use one of {', '.join([*LOSSES, POLICY_GRADIENT])}",
+    )
     assert snapshot(store) == before
 
 
 def test_k1_without_policy_gradient(store):
     before = snapshot(store)
-    assert_refused(opd("train", "--store", store, "--loss", "k1"),
-                   "--loss k1 --tail bucket: divergence='k1' is not a loss on its own: its gradient, grad log "
-                   "q(sampled), is zero in expectation; use it as the reward of policy-gradient OPD "
-                   "(divergence='pg', or 'k1' with policy_gradient=True, plus behavior_logprobs; or pg_loss()), "
-                   "or pick k2, k3 or abs")
+    assert_refused(
+        opd("train", "--store", store, "--loss", "k1"),
+        "--loss k1 --tail bucket: divergence='k1' is not a loss on its own: its gradient, grad log "
+        "q(sampled), is zero in expectation; use it as the reward of policy-gradient OPD "
+        "(divergence='pg', or 'k1' with policy_gradient=True, plus behavior_logprobs; or pg_loss()), "
+        "or pick k2, k3 or abs",
+    )
     assert snapshot(store) == before
 
 
 def test_union_support_without_student_topk(store):
-    assert_refused(opd("train", "--store", store, "--support", "union"),
-                   "--support union needs the student's top-k ids in the rollout shards (student_topk_ids), but "
-                   "run.json has no student_topk: roll out with rollout.student_topk > 0 or use --support teacher")
+    assert_refused(
+        opd("train", "--store", store, "--support", "union"),
+        "--support union needs the student's top-k ids in the rollout shards (student_topk_ids), but "
+        "run.json has no student_topk: roll out with rollout.student_topk > 0 or use --support teacher",
+    )
 
 
 def test_two_batch_units(store):
-    assert_refused(opd("train", "--store", store, "--global-batch-samples", "8", "--global-batch-tokens", "100"),
-                   "--global-batch-samples and --global-batch-tokens: give only one of them")
+    assert_refused(
+        opd("train", "--store", store, "--global-batch-samples", "8", "--global-batch-tokens", "100"),
+        "--global-batch-samples and --global-batch-tokens: give only one of them",
+    )
 
 
 def test_worker_index_out_of_range(store):
-    assert_refused(opd("annotate", "--store", store, "--teacher", TEACHER, "--worker-index", "3",
-                       "--num-workers", "2"),
-                   f"invalid configuration: config key 'annotate' = {{'teacher': '{TEACHER}', 'worker_index': 3, "
-                   f"'num_workers': 2}}: Value error, worker_index 3 must be < num_workers 2")
+    assert_refused(
+        opd("annotate", "--store", store, "--teacher", TEACHER, "--worker-index", "3", "--num-workers", "2"),
+        f"invalid configuration: config key 'annotate' = {{'teacher': '{TEACHER}', 'worker_index': 3, "
+        f"'num_workers': 2}}: Value error, worker_index 3 must be < num_workers 2",
+    )
 
 
 def test_top_k_larger_than_the_vocabulary(store, tokenizer_vocab):
     before = snapshot(store)
-    assert_refused(opd("annotate", "--store", store, "--teacher", TEACHER, "--top-k", "1000"),
-                   f"--top-k 1000 is larger than the vocabulary of teacher {TEACHER} ({len(tokenizer_vocab)} tokens)")
+    assert_refused(
+        opd("annotate", "--store", store, "--teacher", TEACHER, "--top-k", "1000"),
+        f"--top-k 1000 is larger than the vocabulary of teacher {TEACHER} ({len(tokenizer_vocab)} tokens)",
+    )
     assert snapshot(store) == before
 
 
 def test_student_topk_larger_than_the_vocabulary(store, prompts, tokenizer_vocab):
     before = snapshot(store)
-    assert_refused(opd("rollout", "--store", store, "--prompts", prompts, *ROLLOUT_ONE, "--student-topk", "1000"),
-                   f"student_topk 1000 is larger than the vocabulary ({len(tokenizer_vocab)} tokens)")
+    assert_refused(
+        opd("rollout", "--store", store, "--prompts", prompts, *ROLLOUT_ONE, "--student-topk", "1000"),
+        f"student_topk 1000 is larger than the vocabulary ({len(tokenizer_vocab)} tokens)",
+    )
     assert snapshot(store) == before
 
 
 def test_teacher_name_that_escapes_the_store(store):
     before = snapshot(store)
-    assert_refused(opd("annotate", "--store", store, "--teacher", TEACHER, "--teacher-name", "../../x"),
-                   "invalid teacher name '../../x': use 1-64 characters from letters, digits, '_', '-', '.' "
-                   "(starting with a letter or digit, no '..')")
+    assert_refused(
+        opd("annotate", "--store", store, "--teacher", TEACHER, "--teacher-name", "../../x"),
+        "invalid teacher name '../../x': use 1-64 characters from letters, digits, '_', '-', '.' "
+        "(starting with a letter or digit, no '..')",
+    )
     assert snapshot(store) == before
 
 
 def test_worker_id_with_a_slash(store, prompts):
-    assert_refused(opd("rollout", "--store", store, "--prompts", prompts, "--worker-id", "a/../b"),
-                   "invalid worker id 'a/../b': use 1-32 letters, digits or '_' (it becomes part of shard names)")
+    assert_refused(
+        opd("rollout", "--store", store, "--prompts", prompts, "--worker-id", "a/../b"),
+        "invalid worker id 'a/../b': use 1-32 letters, digits or '_' (it becomes part of shard names)",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- prompt files
@@ -250,8 +308,10 @@ def test_empty_prompt(store, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"question": "What is 1 + 2?"}\n{"question": "   "}\n')
     before = snapshot(store)
-    assert_refused(opd("rollout", "--store", store, "--prompts", prompts, *ROLLOUT_ONE),
-                   f"prompts file {prompts}: row 1: prompt is empty (no text in column 'question')")
+    assert_refused(
+        opd("rollout", "--store", store, "--prompts", prompts, *ROLLOUT_ONE),
+        f"prompts file {prompts}: row 1: prompt is empty (no text in column 'question')",
+    )
     assert snapshot(store) == before
 
 
@@ -259,14 +319,16 @@ def test_over_long_prompt(store, tmp_path, tokenizer):
     rows = [{"question": "What is 1 + 2?"}, {"question": "What is " + " + ".join(["12"] * 40) + "?"}]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    texts = tokenizer.apply_chat_template([[{"role": "user", "content": r["question"]}] for r in rows],
-                                          add_generation_prompt=True, tokenize=False)
+    texts = tokenizer.apply_chat_template(
+        [[{"role": "user", "content": r["question"]}] for r in rows], add_generation_prompt=True, tokenize=False
+    )
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     before = snapshot(store)
-    assert_refused(opd("rollout", "--store", store, "--prompts", prompts, *ROLLOUT_ONE,
-                       "--max-prompt-tokens", lengths[0]),
-                   f"prompts file {prompts}: row 1: prompt has {lengths[1]} tokens, more than "
-                   f"max_prompt_tokens={lengths[0]} (1 rows are too long; truncate=True / --truncate-prompts skips them)")
+    assert_refused(
+        opd("rollout", "--store", store, "--prompts", prompts, *ROLLOUT_ONE, "--max-prompt-tokens", lengths[0]),
+        f"prompts file {prompts}: row 1: prompt has {lengths[1]} tokens, more than "
+        f"max_prompt_tokens={lengths[0]} (1 rows are too long; truncate=True / --truncate-prompts skips them)",
+    )
     assert snapshot(store) == before
 
 
@@ -275,30 +337,38 @@ def test_prompt_file_that_is_not_utf8(store, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_bytes(data)
     bad_byte = data.index("é".encode("latin-1"))
-    assert_refused(opd("rollout", "--store", store, "--prompts", prompts, *ROLLOUT_ONE),
-                   f"prompts file {prompts}: line 2 is not valid UTF-8 (byte {bad_byte})")
+    assert_refused(
+        opd("rollout", "--store", store, "--prompts", prompts, *ROLLOUT_ONE),
+        f"prompts file {prompts}: line 2 is not valid UTF-8 (byte {bad_byte})",
+    )
 
 
 def test_prompt_file_without_a_prompt_column(store, tmp_path):
     prompts = tmp_path / "prompts.parquet"
     pq.write_table(pa.table({"text": ["What is 1 + 2?"], "answer": ["3"]}), prompts)
     before = snapshot(store)
-    assert_refused(opd("rollout", "--store", store, "--prompts", prompts, *ROLLOUT_ONE),
-                   f"prompts file {prompts}: missing column 'prompt' (verl chat messages) or 'question' (plain "
-                   f"text); found columns: text, answer")
+    assert_refused(
+        opd("rollout", "--store", store, "--prompts", prompts, *ROLLOUT_ONE),
+        f"prompts file {prompts}: missing column 'prompt' (verl chat messages) or 'question' (plain "
+        f"text); found columns: text, answer",
+    )
     assert snapshot(store) == before
 
 
 def test_truncated_prompt_parquet(store, tmp_path):
     prompts = tmp_path / "prompts.parquet"
     prompts.write_bytes(TRAIN_PROMPTS.read_bytes()[:500])
-    assert_refused_like(opd("rollout", "--store", store, "--prompts", prompts, *ROLLOUT_ONE),
-                        re.escape(f"prompts file {prompts}: not a readable parquet file (") + r"[^\n]+\)")
+    assert_refused_like(
+        opd("rollout", "--store", store, "--prompts", prompts, *ROLLOUT_ONE),
+        re.escape(f"prompts file {prompts}: not a readable parquet file (") + r"[^\n]+\)",
+    )
 
 
 def test_missing_prompt_file(store, tmp_path):
-    assert_refused(opd("rollout", "--store", store, "--prompts", tmp_path / "nope.parquet", *ROLLOUT_ONE),
-                   f"prompts file {tmp_path / 'nope.parquet'} does not exist")
+    assert_refused(
+        opd("rollout", "--store", store, "--prompts", tmp_path / "nope.parquet", *ROLLOUT_ONE),
+        f"prompts file {tmp_path / 'nope.parquet'} does not exist",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- shards
@@ -313,8 +383,9 @@ def _quarantined(store: Path, before: dict, after: dict, rel: str) -> None:
 
 def without_progress(stderr: str) -> str:
     """stderr less annotate's plain progress lines (`annotate teacher: 0 shards, … pending`, printed off a terminal)."""
-    return "".join(line for line in stderr.splitlines(keepends=True)
-                   if not re.match(r"annotate \S+: \d+ shards, ", line))
+    return "".join(
+        line for line in stderr.splitlines(keepends=True) if not re.match(r"annotate \S+: \d+ shards, ", line)
+    )
 
 
 def test_truncated_rollout_shard_is_quarantined(store):
@@ -323,8 +394,10 @@ def test_truncated_rollout_shard_is_quarantined(store):
     before = snapshot(store)
     result = opd("annotate", "--store", store, "--teacher", TEACHER)
     assert result.exit_code == 0, result.output
-    assert re.fullmatch(re.escape(f"quarantined {rel}: {store / rel}: truncated or not an Arrow IPC stream (")
-                        + r"[^\n]+\)\n", without_progress(result.stderr)), result.stderr
+    assert re.fullmatch(
+        re.escape(f"quarantined {rel}: {store / rel}: truncated or not an Arrow IPC stream (") + r"[^\n]+\)\n",
+        without_progress(result.stderr),
+    ), result.stderr
     assert "annotated 0 shards" in result.stdout and "quarantined 1" in result.stdout
     after = snapshot(store)
     _quarantined(store, before, after, rel)
@@ -342,8 +415,9 @@ def test_shard_from_another_run_is_quarantined(store):
     result = opd("annotate", "--store", store, "--teacher", TEACHER)
     assert result.exit_code == 0, result.output
     run_id = json.loads((store / "run.json").read_text())["run_id"]
-    assert without_progress(result.stderr) == (f"quarantined {rel}: {store / rel}: belongs to run '0therrun0000', "
-                                               f"this store is run '{run_id}'\n")
+    assert without_progress(result.stderr) == (
+        f"quarantined {rel}: {store / rel}: belongs to run '0therrun0000', this store is run '{run_id}'\n"
+    )
     _quarantined(store, before, snapshot(store), rel)
 
 
@@ -369,9 +443,11 @@ def test_teacher_with_a_different_vocabulary(store, tmp_path, tokenizer_vocab):
     vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # same size, two ids mean other characters
     (teacher / "tokenizer.json").write_text(json.dumps(spec))
     before = snapshot(store)
-    assert_refused(opd("annotate", "--store", store, "--teacher", teacher, "--teacher-name", "other"),
-                   f"teacher {teacher} and student {STUDENT} tokenizers differ: id {tokenizer_vocab['a']} is 'b' in "
-                   f"{teacher} but 'a' in {STUDENT}")
+    assert_refused(
+        opd("annotate", "--store", store, "--teacher", teacher, "--teacher-name", "other"),
+        f"teacher {teacher} and student {STUDENT} tokenizers differ: id {tokenizer_vocab['a']} is 'b' in "
+        f"{teacher} but 'a' in {STUDENT}",
+    )
     assert snapshot(store) == before
 
 
@@ -380,8 +456,10 @@ def test_teacher_with_only_pickle_weights_leaves_run_json_alone(store, tmp_path)
     shutil.copytree(TEACHER, teacher)
     (teacher / "model.safetensors").rename(teacher / "pytorch_model.bin")
     before = snapshot(store)
-    assert_refused(opd("annotate", "--store", store, "--teacher", teacher, "--teacher-name", "t2"),
-                   f"model {teacher}: no *.safetensors weights in the folder (pickle checkpoints are not loaded)")
+    assert_refused(
+        opd("annotate", "--store", store, "--teacher", teacher, "--teacher-name", "t2"),
+        f"model {teacher}: no *.safetensors weights in the folder (pickle checkpoints are not loaded)",
+    )
     # the refused teacher is not recorded: the trainer would otherwise wait forever for its parts
     assert snapshot(store) == before
 
@@ -392,8 +470,9 @@ def test_corrupt_policy_checkpoint_is_never_loaded(store, prompts):
     truncate(store / rel)
     result = opd("rollout", "--store", store, "--prompts", prompts, *ROLLOUT_ONE)
     assert result.exit_code == 0, (result.output, result.exception)
-    assert (f"policy version 2 is not loaded: {store / rel} failed its checksum (stored "
-            in " ".join(result.stderr.split())), result.stderr
+    assert f"policy version 2 is not loaded: {store / rel} failed its checksum (stored " in " ".join(
+        result.stderr.split()
+    ), result.stderr
     assert (store / f"quarantine/{rel.replace('/', '__')}").exists() and not (store / rel).exists()
     assert (store / "rollouts/v000001/v000001-w01-000000.arrow").exists()  # sampled by version 1
 
@@ -417,9 +496,12 @@ def test_corrupt_resume_state(store, damage):
         truncate(state / damage)
     result = opd("train", "--store", store, *TRAIN_MORE)
     assert result.exit_code == 0, (result.output, result.exception)
-    assert re.search(re.escape(f"warning: resume state step 2 is damaged ({state / damage} failed its checksum "
-                               f"(stored ") + r"[0-9a-f]{16}, computed [0-9a-f]{16}, \d+ bytes instead of \d+\)\): "
-                     + re.escape("quarantined; trying the previous complete state"), result.stderr), result.stderr
+    assert re.search(
+        re.escape(f"warning: resume state step 2 is damaged ({state / damage} failed its checksum (stored ")
+        + r"[0-9a-f]{16}, computed [0-9a-f]{16}, \d+ bytes instead of \d+\)\): "
+        + re.escape("quarantined; trying the previous complete state"),
+        result.stderr,
+    ), result.stderr
     assert (store / f"quarantine/train__state__step-000002__{damage}").exists()
     assert "resuming from" in result.stdout and "(step 1, " in result.stdout
     assert Store(store).read_progress()["step"] == 3  # steps 2 and 3 trained again from step 1's state
@@ -427,28 +509,54 @@ def test_corrupt_resume_state(store, damage):
 
 # ---------------------------------------------------------------------------------------------- the store itself
 def test_store_without_run_json(tmp_path):
-    assert_refused(opd("annotate", "--store", tmp_path / "empty", "--teacher", TEACHER),
-                   f"{tmp_path / 'empty'}/run.json does not exist: run `opd rollout` on this store first")
+    assert_refused(
+        opd("annotate", "--store", tmp_path / "empty", "--teacher", TEACHER),
+        f"{tmp_path / 'empty'}/run.json does not exist: run `opd rollout` on this store first",
+    )
 
 
 def test_unreachable_s3_store(prompts, monkeypatch):
-    for key, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
         monkeypatch.setenv(key, value)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    result = opd("rollout", "--store", "s3://bucket/run", "--prompts", prompts, "--student", STUDENT,
-                 "--set", f"store.s3_endpoint=http://127.0.0.1:{port}")
-    assert_refused_like(result, re.escape("cannot read bucket/run/run.json: ") + r"[^\n]*"
-                        + re.escape(f"127.0.0.1:{port}") + r"[^\n]*")
+    result = opd(
+        "rollout",
+        "--store",
+        "s3://bucket/run",
+        "--prompts",
+        prompts,
+        "--student",
+        STUDENT,
+        "--set",
+        f"store.s3_endpoint=http://127.0.0.1:{port}",
+    )
+    assert_refused_like(
+        result, re.escape("cannot read bucket/run/run.json: ") + r"[^\n]*" + re.escape(f"127.0.0.1:{port}") + r"[^\n]*"
+    )
 
 
 def test_store_path_below_a_regular_file(tmp_path, prompts):
     (tmp_path / "a-file").write_text("not a directory")
-    assert_refused_like(opd("rollout", "--store", tmp_path / "a-file" / "store", "--prompts", prompts,
-                            "--student", STUDENT, *ROLLOUT_ONE),
-                        re.escape(f"cannot read {tmp_path}/a-file/store/run.json: ") + r"[^\n]*Not a directory")
+    assert_refused_like(
+        opd(
+            "rollout",
+            "--store",
+            tmp_path / "a-file" / "store",
+            "--prompts",
+            prompts,
+            "--student",
+            STUDENT,
+            *ROLLOUT_ONE,
+        ),
+        re.escape(f"cannot read {tmp_path}/a-file/store/run.json: ") + r"[^\n]*Not a directory",
+    )
 
 
 def _can_mount() -> bool:
@@ -460,8 +568,13 @@ def _can_mount() -> bool:
 def small_tmpfs(where: Path, size_mb: int):
     """A tmpfs of `size_mb` at `where` (root only); yields False where mounting is not permitted."""
     where.mkdir(parents=True, exist_ok=True)
-    if not _can_mount() or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(where)],
-                                          capture_output=True).returncode != 0:
+    if (
+        not _can_mount()
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(where)], capture_output=True
+        ).returncode
+        != 0
+    ):
         yield False
         return
     try:
@@ -486,8 +599,10 @@ def test_read_only_store(store, tmp_path):
             root, reason = store, _make_folders_unwritable(store)
         before = snapshot(root)
         try:
-            assert_refused(opd("train", "--store", root, *TRAIN_MORE),
-                           f"cannot write {root}/train/consumed/step-000003.jsonl: {reason} (store {root})")
+            assert_refused(
+                opd("train", "--store", root, *TRAIN_MORE),
+                f"cannot write {root}/train/consumed/step-000003.jsonl: {reason} (store {root})",
+            )
             assert snapshot(root) == before
         finally:
             if not mounted:
@@ -500,8 +615,11 @@ def _make_folders_unwritable(root: Path, undo: bool = False) -> str:
         for folder in folders:
             folder.chmod(0o755 if undo else 0o555)
         return "Permission denied"
-    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i" if not undo else "-i", *map(str, folders)],
-                                                        capture_output=True).returncode != 0:
+    if (
+        shutil.which("chattr") is None
+        or subprocess.run(["chattr", "+i" if not undo else "-i", *map(str, folders)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("running as root without permission to mount or to chattr +i: cannot make a folder read-only")
     return "Operation not permitted"
 
@@ -524,8 +642,10 @@ def test_disk_full(store, tmp_path):
             while True:  # unbuffered, so the last partial write fills the last page and the next one fails
                 f.write(b"\0" * 65536)
         before = snapshot(root)
-        assert_refused(opd("train", "--store", root, *TRAIN_MORE),
-                       f"cannot write {root}/train/consumed/step-000003.jsonl: No space left on device (store {root})")
+        assert_refused(
+            opd("train", "--store", root, *TRAIN_MORE),
+            f"cannot write {root}/train/consumed/step-000003.jsonl: No space left on device (store {root})",
+        )
         assert snapshot(root) == before
         filler.unlink()
         result = opd("train", "--store", root, *TRAIN_MORE)
@@ -539,10 +659,17 @@ def _disk_full_by_rlimit(store: Path) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (256, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
     before = snapshot(store)
-    result = subprocess.run([sys.executable, "-m", "opd_cache.cli", "train", "--store", str(store), *TRAIN_MORE],
-                            capture_output=True, text=True, preexec_fn=limit_writes, cwd=REPO, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "opd_cache.cli", "train", "--store", str(store), *TRAIN_MORE],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit_writes,
+        cwd=REPO,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        f"error: cannot write {store}/train/consumed/step-000003.jsonl: File too large (store {store})")
+        f"error: cannot write {store}/train/consumed/step-000003.jsonl: File too large (store {store})"
+    )
     assert "Traceback" not in result.stderr
     assert snapshot(store) == before

@@ -68,13 +68,28 @@ def test_inspect_per_token_view_shows_teacher_student_gap(tmp_path):
     lengths = list_lengths(table["response_ids"])
     total = int(lengths.sum())
     teacher_lp = np.full(total, -7.25, dtype=np.float32)  # far below the student's behavior log-probs (> -1)
-    part = annotated_table(sample_ids=table["sample_id"].to_pylist(), lengths=lengths,
-                           topk_ids=np.tile(np.arange(4), (total, 1)), topk_logprobs=np.full((total, 4), -1.5),
-                           token_logprob=teacher_lp)
+    part = annotated_table(
+        sample_ids=table["sample_id"].to_pylist(),
+        lengths=lengths,
+        topk_ids=np.tile(np.arange(4), (total, 1)),
+        topk_logprobs=np.full((total, 4), -1.5),
+        token_logprob=teacher_lp,
+    )
     run = store.read_run()
-    write_shard(store, store.annotated_path(shard, "teacher"), part,
-                ShardMeta(kind=ANNOTATED, run_id=run["run_id"], tokenizer_fingerprint=run["tokenizer_fingerprint"],
-                          shard_id=shard, policy_version=0, top_k=4, teacher="teacher"))
+    write_shard(
+        store,
+        store.annotated_path(shard, "teacher"),
+        part,
+        ShardMeta(
+            kind=ANNOTATED,
+            run_id=run["run_id"],
+            tokenizer_fingerprint=run["tokenizer_fingerprint"],
+            shard_id=shard,
+            policy_version=0,
+            top_k=4,
+            teacher="teacher",
+        ),
+    )
     row = int(np.argmax(lengths))
     out = opd("inspect", str(store.local_path(store.rollout_path(shard))), "--sample", str(row))
     assert out.returncode == 0, out.stderr
@@ -95,12 +110,27 @@ def _rollout_and_part(store: Store, shard: str, run: dict):
     lengths = list_lengths(table["response_ids"])
     total = int(lengths.sum())
     rng = np.random.default_rng(0)
-    part = annotated_table(sample_ids=table["sample_id"].to_pylist(), lengths=lengths,
-                           topk_ids=rng.integers(1, 32, size=(total, 4)), topk_logprobs=np.full((total, 4), -1.5),
-                           token_logprob=np.full(total, -2.0, dtype=np.float32))
-    write_shard(store, store.annotated_path(shard, "teacher"), part,
-                ShardMeta(kind=ANNOTATED, run_id=run["run_id"], tokenizer_fingerprint=run["tokenizer_fingerprint"],
-                          shard_id=shard, policy_version=0, top_k=4, teacher="teacher"))
+    part = annotated_table(
+        sample_ids=table["sample_id"].to_pylist(),
+        lengths=lengths,
+        topk_ids=rng.integers(1, 32, size=(total, 4)),
+        topk_logprobs=np.full((total, 4), -1.5),
+        token_logprob=np.full(total, -2.0, dtype=np.float32),
+    )
+    write_shard(
+        store,
+        store.annotated_path(shard, "teacher"),
+        part,
+        ShardMeta(
+            kind=ANNOTATED,
+            run_id=run["run_id"],
+            tokenizer_fingerprint=run["tokenizer_fingerprint"],
+            shard_id=shard,
+            policy_version=0,
+            top_k=4,
+            teacher="teacher",
+        ),
+    )
     return table, part
 
 
@@ -146,8 +176,18 @@ def test_inspect_prints_every_metadata_key_of_the_shard(tmp_path):
     write_random_rollout_shard(store, shard_id="v000000-w00-000000", num_rows=2, run=run)
     table, _ = read_shard(store, store.rollout_path("v000000-w00-000000"))
     rel = store.rollout_path("v000000-w00-000001")
-    write_shard(store, rel, table, MetaFromAFutureStage(kind=ROLLOUT, run_id=run["run_id"], tokenizer_fingerprint="fp-test",
-                                                        shard_id="v000000-w00-000001", policy_version=0))
+    write_shard(
+        store,
+        rel,
+        table,
+        MetaFromAFutureStage(
+            kind=ROLLOUT,
+            run_id=run["run_id"],
+            tokenizer_fingerprint="fp-test",
+            shard_id="v000000-w00-000001",
+            policy_version=0,
+        ),
+    )
     out = opd("inspect", str(store.local_path(rel)))
     assert out.returncode == 0, out.stderr
     stored = {k.decode(): v.decode() for k, v in read_shard(store, rel)[0].schema.metadata.items()}
@@ -165,8 +205,10 @@ def test_inspect_of_a_directory_says_so(tmp_path):
     folder = store.local_path(store.annotated_path("v000000-w00-000000", "teacher")).parent
     out = opd("inspect", str(folder))
     assert out.returncode == 2
-    assert f"error: {folder} is a directory, not an Arrow shard (it holds teacher.arrow: inspect one of them)" \
+    assert (
+        f"error: {folder} is a directory, not an Arrow shard (it holds teacher.arrow: inspect one of them)"
         in " ".join(out.stderr.split())
+    )
     out = opd("inspect", str(tmp_path))
     assert out.returncode == 2 and f"{tmp_path} is a directory, not an Arrow shard" in " ".join(out.stderr.split())
     assert "Traceback" not in out.stderr

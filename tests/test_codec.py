@@ -38,7 +38,7 @@ def sorted_logprobs(rng, n: int, vocab: int, k: int, sharpness: float) -> np.nda
 
 
 # ---------------------------------------------------------------- ids
-@pytest.mark.parametrize("vocab,k", [(2, 1), (2, 7), (3, 5), (99, 8), (49152, 32), (151936, 64), (2 ** 31, 3)])
+@pytest.mark.parametrize("vocab,k", [(2, 1), (2, 7), (3, 5), (99, 8), (49152, 32), (151936, 64), (2**31, 3)])
 def test_ids_round_trip_exactly_at_ceil_log2_v_bits(vocab, k):
     rng = np.random.default_rng(vocab + k)
     ids = rng.integers(0, vocab, size=(257, k))
@@ -71,7 +71,7 @@ def test_logprobs_round_trip_within_the_stated_bound_and_keep_the_mass_exact(k, 
     error = np.where(finite, np.abs(decoded.astype(np.float64) - np.where(finite, lp, 0.0)), 0.0)
     bound = codec.logprob_bound(lp)
     # float32 storage adds its own rounding of the result (|lp| * 2**-24 relative)
-    slack = 1e-6 + np.abs(np.where(finite, lp, 0.0)) * 2.0 ** -23
+    slack = 1e-6 + np.abs(np.where(finite, lp, 0.0)) * 2.0**-23
     worst = np.unravel_index(np.argmax(error - bound - slack), error.shape)
     assert (error <= bound + slack).all(), (worst, error[worst], bound[worst])
     # the top-k mass (so the tail bucket 1 - sum p) is the stored float32 value, not a sum of rounded terms
@@ -95,8 +95,11 @@ VOCAB = 99  # the shipped tokenizer
 
 @pytest.fixture
 def store(local_store, tokenizer, tiny_model_factory):
-    local_store.ensure_run(student=str(tiny_model_factory("student", seed=0)),
-                           tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer))
+    local_store.ensure_run(
+        student=str(tiny_model_factory("student", seed=0)),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        vocab_size=len(tokenizer),
+    )
     return local_store
 
 
@@ -104,15 +107,26 @@ def packed_part(store, rng, k: int = 4, rows: int = 5):
     """A packed annotated table and its metadata, from random plain columns."""
     lengths = rng.integers(1, 6, size=rows)
     total = int(lengths.sum())
-    plain = annotated_table(sample_ids=[f"s{i}" for i in range(rows)], lengths=lengths,
-                            topk_ids=rng.integers(0, VOCAB, size=(total, k)),
-                            topk_logprobs=sorted_logprobs(rng, total, VOCAB, k, 2.0),
-                            token_logprob=-rng.random(total))
+    plain = annotated_table(
+        sample_ids=[f"s{i}" for i in range(rows)],
+        lengths=lengths,
+        topk_ids=rng.integers(0, VOCAB, size=(total, k)),
+        topk_logprobs=sorted_logprobs(rng, total, VOCAB, k, 2.0),
+        token_logprob=-rng.random(total),
+    )
     table, codec_meta = codec.encode_annotation(plain, VOCAB)
     run = store.require_run()
-    meta = ShardMeta(kind=ANNOTATED, run_id=run["run_id"], tokenizer_fingerprint=run["tokenizer_fingerprint"],
-                     shard_id=make_shard_id(0, "w00", 0), policy_version=0, top_k=k, teacher="teacher",
-                     codec="packed", codec_id_bits=int(codec_meta[codec.META_ID_BITS]))
+    meta = ShardMeta(
+        kind=ANNOTATED,
+        run_id=run["run_id"],
+        tokenizer_fingerprint=run["tokenizer_fingerprint"],
+        shard_id=make_shard_id(0, "w00", 0),
+        policy_version=0,
+        top_k=k,
+        teacher="teacher",
+        codec="packed",
+        codec_id_bits=int(codec_meta[codec.META_ID_BITS]),
+    )
     return plain, table, meta
 
 
@@ -125,8 +139,9 @@ def test_a_packed_part_reads_back_as_its_plain_columns(store):
     assert got["teacher_topk_ids"].equals(plain["teacher_topk_ids"])
     assert got["teacher_token_logprob"].equals(plain["teacher_token_logprob"])
     lp = schema.flat_values(plain["teacher_topk_logprobs"])
-    np.testing.assert_array_less(np.abs(schema.flat_values(got["teacher_topk_logprobs"]) - lp),
-                                 codec.logprob_bound(lp) + 1e-6)
+    np.testing.assert_array_less(
+        np.abs(schema.flat_values(got["teacher_topk_logprobs"]) - lp), codec.logprob_bound(lp) + 1e-6
+    )
 
 
 def test_a_codec_version_from_the_future_is_refused_in_one_line(store, monkeypatch):
@@ -136,8 +151,10 @@ def test_a_codec_version_from_the_future_is_refused_in_one_line(store, monkeypat
     monkeypatch.setattr(codec, "CODEC_VERSION", 1)
     with pytest.raises(ShardError) as e:
         read_shard(store, "annotated/p.arrow")
-    assert str(e.value) == (f"{store.path('annotated/p.arrow')}: packed codec version 2 is newer than this "
-                            f"opd_cache reads (version 1); upgrade opd_cache")
+    assert str(e.value) == (
+        f"{store.path('annotated/p.arrow')}: packed codec version 2 is newer than this "
+        f"opd_cache reads (version 1); upgrade opd_cache"
+    )
 
 
 def test_a_truncated_packed_column_is_refused_in_one_line(store, monkeypatch):
@@ -146,8 +163,7 @@ def test_a_truncated_packed_column_is_refused_in_one_line(store, monkeypatch):
     cut = np.frombuffer(column.flatten().buffers()[1], dtype=np.uint8).reshape(-1, 4)[:, :3]  # 4 bytes -> 3
     inner = pa.FixedSizeBinaryArray.from_buffers(pa.binary(3), len(cut), [None, pa.py_buffer(cut.tobytes())])
     table = table.set_column(1, "teacher_topk_ids_packed", pa.ListArray.from_arrays(column.offsets, inner))
-    expected = ("packed column 'teacher_topk_ids_packed' is truncated: 3 bytes per position, expected 4 "
-                "(k=4, 7-bit ids)")
+    expected = "packed column 'teacher_topk_ids_packed' is truncated: 3 bytes per position, expected 4 (k=4, 7-bit ids)"
     with pytest.raises(ShardError, match=re.escape(expected)):  # the writer refuses it ...
         write_shard(store, "annotated/p.arrow", table, meta)
     monkeypatch.setattr(schema, "validate_table", lambda *a, **kw: None)
@@ -161,8 +177,9 @@ def test_a_truncated_packed_column_is_refused_in_one_line(store, monkeypatch):
 def test_annotate_with_codec_packed_writes_columns_that_decode_to_the_plain_annotation(store, tiny_model_factory):
     teacher = tiny_model_factory("teacher", seed=1)
     shard_id = make_shard_id(0, "w00", 0)
-    write_random_rollout_shard(store, shard_id=shard_id, num_rows=40, max_response=16, vocab_size=VOCAB, seed=3,
-                               run=store.require_run())
+    write_random_rollout_shard(
+        store, shard_id=shard_id, num_rows=40, max_response=16, vocab_size=VOCAB, seed=3, run=store.require_run()
+    )
     part = store.annotated_path(shard_id, "teacher")
     annotate(store, AnnotateConfig(teacher=str(teacher), top_k=8), progress=False)
     plain, _ = read_shard(store, part)
@@ -180,8 +197,9 @@ def test_annotate_with_codec_packed_writes_columns_that_decode_to_the_plain_anno
     assert got["teacher_topk_ids"].equals(plain["teacher_topk_ids"])
     assert got["teacher_token_logprob"].equals(plain["teacher_token_logprob"])
     lp = schema.flat_values(plain["teacher_topk_logprobs"])
-    np.testing.assert_array_less(np.abs(schema.flat_values(got["teacher_topk_logprobs"]) - lp),
-                                 codec.logprob_bound(lp) + 1e-6)
+    np.testing.assert_array_less(
+        np.abs(schema.flat_values(got["teacher_topk_logprobs"]) - lp), codec.logprob_bound(lp) + 1e-6
+    )
 
     # the trainer's reader gets the same decoded tensors
     data = load_shard(store, store.require_run(), shard_id, ["teacher"])
@@ -207,15 +225,30 @@ def assert_losses_match(student_logits: torch.Tensor, topk_ids: np.ndarray, topk
     bits = codec.id_bits(student_logits.shape[1])
     packed_ids = codec.unpack_ids(codec.pack_ids(topk_ids, bits), topk_ids.shape[1], bits)
     for divergence in ("forward_kl", "reverse_kl", "jsd"):
-        ref = token_losses(student_logits, torch.from_numpy(topk_ids), torch.from_numpy(topk_lp.astype(np.float32)),
-                           divergence=divergence, tail="bucket").double()
-        got = token_losses(student_logits, torch.from_numpy(packed_ids), torch.from_numpy(packed_lp),
-                           divergence=divergence, tail="bucket").double()
+        ref = token_losses(
+            student_logits,
+            torch.from_numpy(topk_ids),
+            torch.from_numpy(topk_lp.astype(np.float32)),
+            divergence=divergence,
+            tail="bucket",
+        ).double()
+        got = token_losses(
+            student_logits,
+            torch.from_numpy(packed_ids),
+            torch.from_numpy(packed_lp),
+            divergence=divergence,
+            tail="bucket",
+        ).double()
         mean_error = (got.mean() - ref.mean()).abs().item()
         relative = mean_error / ref.mean().item()
         per_token = (got - ref).abs().mean().item()
-        assert mean_error <= 1e-3 and relative <= 0.01 and per_token <= 0.01 * ref.mean().item(), \
-            (divergence, mean_error, relative, per_token, ref.mean().item())
+        assert mean_error <= 1e-3 and relative <= 0.01 and per_token <= 0.01 * ref.mean().item(), (
+            divergence,
+            mean_error,
+            relative,
+            per_token,
+            ref.mean().item(),
+        )
 
 
 @torch.inference_mode()
@@ -228,7 +261,7 @@ def test_losses_from_packed_match_float32_on_the_trained_demo_teacher():
     batch = tok(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     torch.manual_seed(0)
     out = student.generate(**batch, do_sample=True, max_new_tokens=10, pad_token_id=tok.pad_token_id)
-    full = torch.cat([batch["attention_mask"], torch.ones_like(out[:, batch["input_ids"].shape[1]:])], 1)
+    full = torch.cat([batch["attention_mask"], torch.ones_like(out[:, batch["input_ids"].shape[1] :])], 1)
     start = batch["input_ids"].shape[1] - 1  # logits at position t predict response token t + 1
     teacher_lp = torch.log_softmax(teacher(input_ids=out, attention_mask=full).logits[:, start:-1].float(), -1)
     student_logits = student(input_ids=out, attention_mask=full).logits[:, start:-1].float()

@@ -10,8 +10,11 @@ from opd_cache.config import ConfigError, load_config, parse_set
 def test_layers_yaml_then_flags_then_set(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  lr: 0.001\n  max_steps: 5\nrollout:\n  n: 2\n")
-    cfg = load_config(path, overrides={"train.max_steps": 7, "rollout.n": None},
-                      sets=["train.lr=3e-4", "rollout.sampling.temperature=0.7"])
+    cfg = load_config(
+        path,
+        overrides={"train.max_steps": 7, "rollout.n": None},
+        sets=["train.lr=3e-4", "rollout.sampling.temperature=0.7"],
+    )
     assert cfg.train.lr == 3e-4  # --set beats the file
     assert cfg.train.max_steps == 7  # a flag beats the file
     assert cfg.rollout.n == 2  # a flag not given (None) leaves the file's value
@@ -40,9 +43,13 @@ def test_unknown_key_names_the_key_and_value(tmp_path):
 def test_wrong_types_and_ranges_name_key_value_and_expectation():
     with pytest.raises(ConfigError, match=r"config key 'rollout.n' = 'many': Input should be a valid integer"):
         load_config(sets=["rollout.n=many"])
-    with pytest.raises(ConfigError, match=r"config key 'train.max_staleness' = -1: Input should be greater than or equal to 0"):
+    with pytest.raises(
+        ConfigError, match=r"config key 'train.max_staleness' = -1: Input should be greater than or equal to 0"
+    ):
         load_config(sets=["train.max_staleness=-1"])
-    with pytest.raises(ConfigError, match=r"config key 'train.tail' = 'tails': Input should be 'bucket', 'renorm' or 'none'"):
+    with pytest.raises(
+        ConfigError, match=r"config key 'train.tail' = 'tails': Input should be 'bucket', 'renorm' or 'none'"
+    ):
         load_config(overrides={"train.tail": "tails"})
 
 

@@ -23,9 +23,26 @@ import pytest
 from opd_cache.demo import clear_demo_outputs
 
 # A demo of 4 steps on 16-sample batches, scored on 16 prompts: the whole pipeline in well under a minute.
-TINY = ["--set", "train.max_steps=4", "--set", "train.global_batch_samples=16", "--set", "train.save_every=2",
-        "--set", "train.warmup_steps=0", "--set", "rollout.batch_prompts=4", "--set", "rollout.flush_rows=16",
-        "--set", "rollout.max_buffer_samples=48", "--set", "eval.max_prompts=16", "--set", "run.eval_every=2"]
+TINY = [
+    "--set",
+    "train.max_steps=4",
+    "--set",
+    "train.global_batch_samples=16",
+    "--set",
+    "train.save_every=2",
+    "--set",
+    "train.warmup_steps=0",
+    "--set",
+    "rollout.batch_prompts=4",
+    "--set",
+    "rollout.flush_rows=16",
+    "--set",
+    "rollout.max_buffer_samples=48",
+    "--set",
+    "eval.max_prompts=16",
+    "--set",
+    "run.eval_every=2",
+]
 
 
 def opd_demo(*args: str, prelude: str = "pass") -> subprocess.CompletedProcess:
@@ -51,8 +68,10 @@ def test_demo_refuses_an_out_that_holds_a_run_and_names_the_overwrite_flag(tmp_p
     plant_previous_demo(out)
     result = opd_demo("--out", str(out))
     assert result.returncode == 2, result.stderr
-    assert (f"error: --out {out}: {out / 'store'} already holds a run; pass --overwrite to replace it, or choose "
-            f"another --out") in " ".join(result.stderr.split())
+    assert (
+        f"error: --out {out}: {out / 'store'} already holds a run; pass --overwrite to replace it, or choose "
+        f"another --out"
+    ) in " ".join(result.stderr.split())
     assert (out / "logs" / "old.log").exists() and (out / "summary.json").read_text() == '{"previous": true}\n'
 
 
@@ -62,8 +81,10 @@ def test_demo_without_matplotlib_fails_before_training_and_says_what_to_install(
     start = time.monotonic()
     result = opd_demo("--out", str(out), prelude="sys.modules['matplotlib'] = None")
     assert result.returncode == 2, result.stderr
-    assert ("error: the demo needs the Python package 'matplotlib' (module 'matplotlib' is not installed): run "
-            "`bash scripts/setup.sh`, or `pip install matplotlib`") in " ".join(result.stderr.split())
+    assert (
+        "error: the demo needs the Python package 'matplotlib' (module 'matplotlib' is not installed): run "
+        "`bash scripts/setup.sh`, or `pip install matplotlib`"
+    ) in " ".join(result.stderr.split())
     assert not out.exists(), "nothing is written (no store, no training) before the imports are checked"
     assert time.monotonic() - start < 60
 
@@ -100,8 +121,12 @@ def finished_demo(tmp_path: Path) -> tuple[Path, str, float]:
         out = Path(os.environ["OPD_DEMO_OUT"])
         return out, (out / "console.txt").read_text(), json.loads((out / "summary.json").read_text())["seconds"]
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "opd_cache.cli", "demo", "--out", str(tmp_path / "demo")],
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-m", "opd_cache.cli", "demo", "--out", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return tmp_path / "demo", result.stdout, time.monotonic() - start
 

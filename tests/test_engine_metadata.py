@@ -23,15 +23,27 @@ def test_rollout_and_annotate_shards_name_their_engine_and_dtype(tiny_model_fact
     try:
         student, teacher = tiny_model_factory("student"), tiny_model_factory("teacher", seed=1)
         prompts = write_prompts(tmp_path / "p.jsonl", questions(2))
-        run_rollout(RolloutConfig(student=str(student), prompts=str(prompts), n=2, max_samples=4, flush_rows=4,
-                                  sampling=SamplingConfig(max_new_tokens=4)), local_store)
+        run_rollout(
+            RolloutConfig(
+                student=str(student),
+                prompts=str(prompts),
+                n=2,
+                max_samples=4,
+                flush_rows=4,
+                sampling=SamplingConfig(max_new_tokens=4),
+            ),
+            local_store,
+        )
         annotate(local_store, AnnotateConfig(teacher=str(teacher), top_k=4, model_dtype="bfloat16"), progress=False)
     finally:
         torch.set_num_threads(threads)
     (info,) = local_store.list_rollout_shards()
     _, rollout_meta = read_shard(local_store, info.path, kind=ROLLOUT)
-    assert (rollout_meta.engine, rollout_meta.engine_version, rollout_meta.model_dtype) == \
-        ("hf", transformers.__version__, "float32")
+    assert (rollout_meta.engine, rollout_meta.engine_version, rollout_meta.model_dtype) == (
+        "hf",
+        transformers.__version__,
+        "float32",
+    )
     part_path = local_store.annotated_path(info.shard_id, "teacher")
     table, part_meta = read_shard(local_store, part_path, kind=ANNOTATED)
     assert (part_meta.engine, part_meta.model_dtype) == ("hf", "bfloat16")  # the teacher ran in bfloat16
@@ -41,7 +53,10 @@ def test_rollout_and_annotate_shards_name_their_engine_and_dtype(tiny_model_fact
     out = opd("inspect", str(local_store.local_path(part_path)))
     assert out.returncode == 0, out.output
     # one line per metadata key (named as stored, opd.engine, or as the ShardMeta field, engine)
-    shown = {line.split()[0].removeprefix("opd."): line.split()[1:] for line in out.stdout.splitlines()
-             if line.startswith("  ") and len(line.split()) >= 2}
+    shown = {
+        line.split()[0].removeprefix("opd."): line.split()[1:]
+        for line in out.stdout.splitlines()
+        if line.startswith("  ") and len(line.split()) >= 2
+    }
     assert shown["engine"] == ["hf"] and shown["model_dtype"] == ["bfloat16"], out.stdout
     assert shown["engine_version"] == [transformers.__version__]

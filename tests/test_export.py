@@ -36,15 +36,28 @@ def annotated_store(tmp_path_factory, tiny_model_factory, tokenizer) -> Store:
     try:
         store = Store(tmp_path_factory.mktemp("export") / "store")
         student = tiny_model_factory("student", seed=0)  # a folder with the tokenizer: what text decodes with
-        run = store.ensure_run(student=str(student), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-                               vocab_size=len(tokenizer))
+        run = store.ensure_run(
+            student=str(student), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer)
+        )
         for n, (shard_id, sources) in enumerate(SOURCES.items()):
             write_rollout(store, run, shard_id, sources, seed=n)
         routing = {"math": "tA"}
-        annotate(store, AnnotateConfig(teacher=str(tiny_model_factory("teacher", seed=1)), top_k=4, teacher_name="tA",
-                                       routing=routing, default_teacher="tB"), progress=False)
-        annotate(store, AnnotateConfig(teacher=str(tiny_model_factory("teacher", seed=2)), top_k=4, teacher_name="tB"),
-                 progress=False)
+        annotate(
+            store,
+            AnnotateConfig(
+                teacher=str(tiny_model_factory("teacher", seed=1)),
+                top_k=4,
+                teacher_name="tA",
+                routing=routing,
+                default_teacher="tB",
+            ),
+            progress=False,
+        )
+        annotate(
+            store,
+            AnnotateConfig(teacher=str(tiny_model_factory("teacher", seed=2)), top_k=4, teacher_name="tB"),
+            progress=False,
+        )
     finally:
         torch.set_num_threads(threads)
     return store
@@ -56,21 +69,38 @@ def write_rollout(store: Store, run: dict, shard_id: str, sources: list, seed: i
     lengths = rng.integers(1, 7, size=n)
     version = int(shard_id[1:7])
     table = rollout_table(
-        sample_ids=[f"{shard_id}-{i}" for i in range(n)], prompt_index=np.arange(n) + 10 * seed,
-        sample_index=np.arange(n) % 2, prompt_ids=[rng.integers(3, VOCAB, size=4) for _ in range(n)],
+        sample_ids=[f"{shard_id}-{i}" for i in range(n)],
+        prompt_index=np.arange(n) + 10 * seed,
+        sample_index=np.arange(n) % 2,
+        prompt_ids=[rng.integers(3, VOCAB, size=4) for _ in range(n)],
         response_ids=[rng.integers(3, VOCAB, size=m) for m in lengths],
-        behavior_logprobs=[-rng.random(m) for m in lengths], policy_version=version,
-        finish_reason=["stop" if i % 2 else "length" for i in range(n)], data_source=sources,
-        ground_truth=[f"gt{i}" for i in range(n)])
-    write_shard(store, store.rollout_path(shard_id), table,
-                ShardMeta(kind=ROLLOUT, run_id=run["run_id"], tokenizer_fingerprint=run["tokenizer_fingerprint"],
-                          shard_id=shard_id, policy_version=version))
+        behavior_logprobs=[-rng.random(m) for m in lengths],
+        policy_version=version,
+        finish_reason=["stop" if i % 2 else "length" for i in range(n)],
+        data_source=sources,
+        ground_truth=[f"gt{i}" for i in range(n)],
+    )
+    write_shard(
+        store,
+        store.rollout_path(shard_id),
+        table,
+        ShardMeta(
+            kind=ROLLOUT,
+            run_id=run["run_id"],
+            tokenizer_fingerprint=run["tokenizer_fingerprint"],
+            shard_id=shard_id,
+            policy_version=version,
+        ),
+    )
 
 
 def store_hashes(store: Store) -> dict[str, str]:
     root = Path(store.root)
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def expected_rows(store: Store, teacher: str, tokenizer) -> list[dict]:
@@ -82,18 +112,26 @@ def expected_rows(store: Store, teacher: str, tokenizer) -> list[dict]:
         part, meta = read_shard(store, store.annotated_path(shard.shard_id, teacher), kind=ANNOTATED, run=run)
         for ann in part.to_pylist():
             r = rollout[ann["sample_id"]]
-            rows.append({
-                "sample_id": r["sample_id"], "shard_id": shard.shard_id, "policy_version": r["policy_version"],
-                "prompt_index": r["prompt_index"], "sample_index": r["sample_index"],
-                "data_source": r["data_source"], "ground_truth": r["ground_truth"],
-                "finish_reason": r["finish_reason"],
-                "prompt": tokenizer.decode(r["prompt_ids"], skip_special_tokens=False),
-                "response": tokenizer.decode(r["response_ids"], skip_special_tokens=False),
-                "prompt_ids": r["prompt_ids"], "response_ids": r["response_ids"],
-                "behavior_logprobs": r["behavior_logprobs"],
-                "teacher_token_logprob": ann["teacher_token_logprob"],
-                "teacher_topk_ids": ann["teacher_topk_ids"], "teacher_topk_logprobs": ann["teacher_topk_logprobs"],
-            })
+            rows.append(
+                {
+                    "sample_id": r["sample_id"],
+                    "shard_id": shard.shard_id,
+                    "policy_version": r["policy_version"],
+                    "prompt_index": r["prompt_index"],
+                    "sample_index": r["sample_index"],
+                    "data_source": r["data_source"],
+                    "ground_truth": r["ground_truth"],
+                    "finish_reason": r["finish_reason"],
+                    "prompt": tokenizer.decode(r["prompt_ids"], skip_special_tokens=False),
+                    "response": tokenizer.decode(r["response_ids"], skip_special_tokens=False),
+                    "prompt_ids": r["prompt_ids"],
+                    "response_ids": r["response_ids"],
+                    "behavior_logprobs": r["behavior_logprobs"],
+                    "teacher_token_logprob": ann["teacher_token_logprob"],
+                    "teacher_topk_ids": ann["teacher_topk_ids"],
+                    "teacher_topk_logprobs": ann["teacher_topk_logprobs"],
+                }
+            )
     return rows
 
 
@@ -115,9 +153,14 @@ def test_parquet_export_equals_the_shards_in_datasets_polars_and_duckdb(annotate
         got = datasets.load_dataset("parquet", data_files=path, split="train")
         assert got.to_list() == expected
         tokens = sum(len(r["response_ids"]) for r in expected)
-        assert manifest["teachers"][teacher] == {"file": f"{teacher}.parquet", "rows": len(expected),
-                                                 "tokens": tokens, "top_k": 4, "topk_logprob_dtype": "float32",
-                                                 "shards_without_part": 0}
+        assert manifest["teachers"][teacher] == {
+            "file": f"{teacher}.parquet",
+            "rows": len(expected),
+            "tokens": tokens,
+            "top_k": 4,
+            "topk_logprob_dtype": "float32",
+            "shards_without_part": 0,
+        }
         assert f"{teacher}.parquet: {len(expected)} rows, {tokens} response tokens, top-4" in out.stdout
 
         polars = pytest.importorskip("polars")
@@ -149,8 +192,10 @@ def test_export_refusals_are_one_line_and_write_nothing(annotated_store, tmp_pat
     write_rollout(bare, run, make_shard_id(0, "w00", 0), ["math"], seed=0)
     out = opd("export", bare.uri, "--to", str(tmp_path / "a"))
     assert out.returncode == 2
-    assert f"{bare.path('')} has no annotated parts (1 rollout shards, none annotated): run `opd annotate` on it first" \
+    assert (
+        f"{bare.path('')} has no annotated parts (1 rollout shards, none annotated): run `opd annotate` on it first"
         in " ".join(out.stderr.split())
+    )
     assert not (tmp_path / "a").exists()
 
     # a non-empty --to without --overwrite; --overwrite never deletes what is not an export
@@ -159,10 +204,14 @@ def test_export_refusals_are_one_line_and_write_nothing(annotated_store, tmp_pat
     (busy / "notes.txt").write_text("mine")
     out = opd("export", annotated_store.uri, "--to", str(busy))
     assert out.returncode == 2
-    assert f"--to {busy} is not empty (1 entries): choose a new folder or pass --overwrite" in " ".join(out.stderr.split())
+    assert f"--to {busy} is not empty (1 entries): choose a new folder or pass --overwrite" in " ".join(
+        out.stderr.split()
+    )
     out = opd("export", annotated_store.uri, "--to", str(busy), "--overwrite")
-    assert out.returncode == 2 and "holds no export.json: --overwrite only replaces an earlier `opd export`" \
-        in " ".join(out.stderr.split())
+    assert (
+        out.returncode == 2
+        and "holds no export.json: --overwrite only replaces an earlier `opd export`" in " ".join(out.stderr.split())
+    )
     assert [p.name for p in busy.iterdir()] == ["notes.txt"]
 
     # an earlier export is replaced with --overwrite
@@ -175,21 +224,25 @@ def test_export_refusals_are_one_line_and_write_nothing(annotated_store, tmp_pat
     # a student that is a hub id: text is never fetched from a hub
     hub = Store(tmp_path / "hub")
     run = hub.ensure_run(student="HuggingFaceTB/SmolLM2-135M", tokenizer_fingerprint="fp")
-    (tmp_path / "hub" / "run.json").write_text(json.dumps(annotated_store.require_run() | {
-        "student": "HuggingFaceTB/SmolLM2-135M"}))
+    (tmp_path / "hub" / "run.json").write_text(
+        json.dumps(annotated_store.require_run() | {"student": "HuggingFaceTB/SmolLM2-135M"})
+    )
     for shard in annotated_store.list_rollout_shards():
         for rel in [shard.path] + [annotated_store.annotated_path(shard.shard_id, t) for t in ("tA", "tB")]:
             hub.write_bytes(rel, annotated_store.read_bytes(rel))
     out = opd("export", hub.uri, "--to", str(tmp_path / "b"))
     assert out.returncode == 2
-    assert "names the student 'HuggingFaceTB/SmolLM2-135M', which is not a local folder; pass --tokenizer DIR" \
+    assert (
+        "names the student 'HuggingFaceTB/SmolLM2-135M', which is not a local folder; pass --tokenizer DIR"
         in " ".join(out.stderr.split())
+    )
     assert not (tmp_path / "b").exists()
     out = opd("export", hub.uri, "--to", str(tmp_path / "b"), "--tokenizer", str(tokenizer_path))
     assert out.returncode == 0, out.output
     out = opd("export", hub.uri, "--to", str(tmp_path / "c"), "--no-text")
     assert out.returncode == 0, out.output
     import pyarrow.parquet as pq
+
     table = pq.read_table(tmp_path / "c" / "tB.parquet")
     assert table["prompt"].null_count == table.num_rows == 6
     assert table["response_ids"].to_pylist() == pq.read_table(tmp_path / "b" / "tB.parquet")["response_ids"].to_pylist()
@@ -202,8 +255,12 @@ def test_inspect_store_summarizes_the_cache(annotated_store, tmp_path, tokenizer
     assert store_hashes(annotated_store) == before
     rollouts = [read_shard(annotated_store, s.path)[0] for s in annotated_store.list_rollout_shards()]
     assert info["run_id"] == run["run_id"] and info["policy_versions"] == [0, 1]
-    assert info["rollouts"] == {"shards": 3, "rows": 11, "bytes": sum(s.size for s in annotated_store.list_rollout_shards()),
-                                "response_tokens": sum(len(r) for t in rollouts for r in t["response_ids"].to_pylist())}
+    assert info["rollouts"] == {
+        "shards": 3,
+        "rows": 11,
+        "bytes": sum(s.size for s in annotated_store.list_rollout_shards()),
+        "response_tokens": sum(len(r) for t in rollouts for r in t["response_ids"].to_pylist()),
+    }
     lines = opd("inspect", annotated_store.uri).stdout.splitlines()
     for teacher in ("tA", "tB"):
         rels = [annotated_store.annotated_path(s.shard_id, teacher) for s in annotated_store.list_rollout_shards()]
@@ -214,12 +271,18 @@ def test_inspect_store_summarizes_the_cache(annotated_store, tmp_path, tokenizer
         assert (t["parts"], t["rows"], t["tokens"], t["bytes"]) == (3, {"tA": 5, "tB": 6}[teacher], tokens, size)
         assert t["top_k"] == [4] and t["topk_logprob_dtype"] == ["float32"] and t["policy_versions"] == [0, 1]
         assert t["codec"] == ["none"]
-        assert t["engine"] == [" ".join(parts[0].schema.metadata[k].decode()
-                                        for k in (b"opd.engine", b"opd.engine_version", b"opd.model_dtype"))]
+        assert t["engine"] == [
+            " ".join(
+                parts[0].schema.metadata[k].decode() for k in (b"opd.engine", b"opd.engine_version", b"opd.model_dtype")
+            )
+        ]
         assert t["bytes_per_token"] == pytest.approx(size / tokens)
         line = next(line for line in lines if line.strip().startswith(f"teacher {teacher}:"))
-        assert f"k=4, 3 parts, {t['rows']} rows, {tokens} tokens, {size} bytes ({size / tokens:.1f} bytes/token stored" \
-            in line and "codec none, top-k log-probs float32, versions 0-1, engine hf " in line
+        assert (
+            f"k=4, 3 parts, {t['rows']} rows, {tokens} tokens, {size} bytes ({size / tokens:.1f} bytes/token stored"
+            in line
+            and "codec none, top-k log-probs float32, versions 0-1, engine hf " in line
+        )
 
     bare = Store(tmp_path / "bare")
     run = bare.ensure_run(student=str(tokenizer_path), tokenizer_fingerprint="fp")
@@ -245,7 +308,7 @@ def test_export_from_and_to_an_s3_store(annotated_store, s3_store, s3_endpoint, 
     out = opd("export", s3_store.uri, "--to", to)
     assert out.returncode == 0, out.output
     for teacher in ("tA", "tB"):
-        data = s3_store.fs.open_input_file(f"{to[len('s3://'):]}/{teacher}.parquet").read()
+        data = s3_store.fs.open_input_file(f"{to[len('s3://') :]}/{teacher}.parquet").read()
         assert pq.read_table(pa.BufferReader(data)).equals(pq.read_table(tmp_path / "local" / f"{teacher}.parquet"))
     again = opd("export", s3_store.uri, "--to", to)
     assert again.returncode == 2 and f"--to {to} is not empty" in " ".join(again.stderr.split())
@@ -265,20 +328,38 @@ def test_float16_parts_are_exported_widened_and_inspect_names_their_dtype(tmp_pa
     lengths = list_lengths(table["response_ids"])
     rng = np.random.default_rng(1)
     total = int(lengths.sum())
-    part = annotated_table(sample_ids=table["sample_id"].to_pylist(), lengths=lengths,
-                           topk_ids=rng.integers(0, 32, size=(total, 3)),
-                           topk_logprobs=-rng.random((total, 3)) * 5, token_logprob=-rng.random(total).astype(np.float32),
-                           logprob_dtype="float16")
-    write_shard(store, store.annotated_path(shard, "t16"), part,
-                ShardMeta(kind=ANNOTATED, run_id=run["run_id"], tokenizer_fingerprint="fp-test", shard_id=shard,
-                          policy_version=0, top_k=3, teacher="t16"))
+    part = annotated_table(
+        sample_ids=table["sample_id"].to_pylist(),
+        lengths=lengths,
+        topk_ids=rng.integers(0, 32, size=(total, 3)),
+        topk_logprobs=-rng.random((total, 3)) * 5,
+        token_logprob=-rng.random(total).astype(np.float32),
+        logprob_dtype="float16",
+    )
+    write_shard(
+        store,
+        store.annotated_path(shard, "t16"),
+        part,
+        ShardMeta(
+            kind=ANNOTATED,
+            run_id=run["run_id"],
+            tokenizer_fingerprint="fp-test",
+            shard_id=shard,
+            policy_version=0,
+            top_k=3,
+            teacher="t16",
+        ),
+    )
     out = opd("export", store.uri, "--to", str(tmp_path / "out"), "--no-text")
     assert out.returncode == 0, out.output
     got = pq.read_table(tmp_path / "out" / "t16.parquet")
     assert got.schema.field("teacher_topk_logprobs").type == pa.list_(pa.list_(pa.float32()))
-    expected = [[[float(np.float32(v)) for v in position] for position in row]
-                for row in part["teacher_topk_logprobs"].to_pylist()]
+    expected = [
+        [[float(np.float32(v)) for v in position] for position in row]
+        for row in part["teacher_topk_logprobs"].to_pylist()
+    ]
     assert got["teacher_topk_logprobs"].to_pylist() == expected  # float16 values, exactly, as float32
-    assert json.loads((tmp_path / "out" / "export.json").read_text())["teachers"]["t16"]["topk_logprob_dtype"] \
-        == "float16"
+    assert (
+        json.loads((tmp_path / "out" / "export.json").read_text())["teachers"]["t16"]["topk_logprob_dtype"] == "float16"
+    )
     assert "top-k log-probs float16" in opd("inspect", store.uri).stdout

@@ -202,7 +202,9 @@ def test_diagnostics_match_token_losses_over_weighted_tokens():
     options = make_options("forward_kl-bucket-union")
     hidden, weight, weights = untied_problem()
     weights[3] = 0.0  # a padding token: not in the diagnostics
-    _, _, diag = fused_token_losses(hidden, weight, token_weights=weights, chunk_size=5, return_diagnostics=True, **options)
+    _, _, diag = fused_token_losses(
+        hidden, weight, token_weights=weights, chunk_size=5, return_diagnostics=True, **options
+    )
     rows = weights != 0
     selected = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in options.items()}
     _, ref = token_losses((hidden @ weight.t())[rows], **selected, return_diagnostics=True)
@@ -222,7 +224,9 @@ def test_micro_batches_with_global_weights_give_the_full_batch_gradient():
     full_grad = torch.autograd.grad(full, [weight])[0]
     for rows in (slice(0, 4), slice(4, 8), slice(8, 12)):
         part = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in options.items()}
-        w = aggregation_weights(mask[rows.start // 4 : rows.stop // 4], "seq-mean-token-mean", global_seqs=3).reshape(-1)
+        w = aggregation_weights(mask[rows.start // 4 : rows.stop // 4], "seq-mean-token-mean", global_seqs=3).reshape(
+            -1
+        )
         loss, _ = fused_token_losses(hidden[rows], weight, token_weights=w, **part)
         loss.backward()
     close(weight.grad, full_grad)
@@ -272,7 +276,9 @@ class TiedStudent(torch.nn.Module):
     def forward(self, ids, teacher_ids, teacher_logprobs, token_weights):
         # inside the forward FSDP2 has unsharded this module's parameters: lm_head.weight is a plain tensor
         hidden = self.hidden(ids)
-        return fused_token_losses(hidden, self.lm_head.weight, teacher_ids, teacher_logprobs, token_weights, chunk_size=3)[0]
+        return fused_token_losses(
+            hidden, self.lm_head.weight, teacher_ids, teacher_logprobs, token_weights, chunk_size=3
+        )[0]
 
 
 def fsdp_check(rank: int, world: int, rendezvous: str) -> tuple[float, bool]:
@@ -297,8 +303,7 @@ def fsdp_check(rank: int, world: int, rendezvous: str) -> tuple[float, bool]:
         hidden = ref.hidden(ids)
         (weights * token_losses(hidden @ ref.lm_head.weight.t(), teacher_ids, teacher_logprobs)).sum().backward()
         worst = max(
-            (p.grad.full_tensor() - q.grad).abs().max().item()
-            for p, q in zip(model.parameters(), ref.parameters())
+            (p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())
         )
         try:  # outside the forward the weight is a sharded DTensor again
             fused_token_losses(hidden, model.lm_head.weight, teacher_ids, teacher_logprobs)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from opd_cache.config import SamplingConfig
-from opd_cache.engines.hf_generate import HFGenerator, left_pad, sampling_logprobs
 from opd_cache.models import build_tiny_model, load_causal_lm, save_causal_lm
+from opd_cache.rollout.hf_generate import HFGenerator, left_pad, sampling_logprobs
 
 QUESTIONS = ["What is 3 + 4?", "Hi", "What is 12 + 85? Think step by step, then answer."]
 
@@ -23,8 +23,9 @@ def prompts(tokenizer):
 
 
 def make_engine(path, tokenizer, **kwargs) -> HFGenerator:
-    return HFGenerator(path, tokenizer=tokenizer, eos_token_ids=[tokenizer.eos_token_id],
-                       pad_token_id=tokenizer.pad_token_id, **kwargs)
+    return HFGenerator(
+        path, tokenizer=tokenizer, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, **kwargs
+    )
 
 
 def full_forward_logits(model, prompt, response) -> torch.Tensor:
@@ -32,7 +33,7 @@ def full_forward_logits(model, prompt, response) -> torch.Tensor:
     ids = torch.tensor([list(prompt) + [int(t) for t in response]])
     with torch.no_grad():
         logits = model(ids).logits[0].float()
-    return logits[len(prompt) - 1: len(prompt) - 1 + len(response)]
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(response)]
 
 
 def gather(logprobs: torch.Tensor, tokens) -> np.ndarray:
@@ -70,8 +71,9 @@ def test_temperature_and_top_k_logprobs_are_of_the_processed_distribution(tiny_m
     path = tiny_model_factory("student")
     engine = make_engine(path, tokenizer)
     temperature, top_k = 0.7, 5
-    responses = engine.generate(prompts, 3, SamplingConfig(temperature=temperature, top_k=top_k, max_new_tokens=16),
-                                seed=0)
+    responses = engine.generate(
+        prompts, 3, SamplingConfig(temperature=temperature, top_k=top_k, max_new_tokens=16), seed=0
+    )
     model = load_causal_lm(path)
     for i, r in enumerate(responses):
         logits = full_forward_logits(model, prompts[i // 3], r.token_ids) / temperature
@@ -103,8 +105,9 @@ def test_top_p_samples_stay_in_the_nucleus_and_logprobs_renormalise(tiny_model_f
 
 def test_student_topk_ids_are_the_models_top_ids(tiny_model_factory, tokenizer, prompts):
     path = tiny_model_factory("student")
-    responses = make_engine(path, tokenizer).generate(prompts, 2, SamplingConfig(max_new_tokens=10), student_topk=4,
-                                                      seed=2)
+    responses = make_engine(path, tokenizer).generate(
+        prompts, 2, SamplingConfig(max_new_tokens=10), student_topk=4, seed=2
+    )
     model = load_causal_lm(path)
     for i, r in enumerate(responses):
         assert r.topk_ids.shape == (len(r.token_ids), 4) and r.topk_ids.dtype == np.int32
@@ -126,7 +129,7 @@ def test_stop_string_ends_the_response_where_it_first_appears(tiny_model_factory
     # Pick a 2-character string from the middle of the first free-running response (a character tokenizer:
     # token j is character j), then sample again with the same seed: same draws, cut where it completes.
     text_tokens = [tokenizer.decode([t]) for t in free[0].token_ids.tolist()]
-    j = next(j for j in range(5, 29) if all(len(tokenizer.decode([t])) == 1 for t in free[0].token_ids[j - 1: j + 1]))
+    j = next(j for j in range(5, 29) if all(len(tokenizer.decode([t])) == 1 for t in free[0].token_ids[j - 1 : j + 1]))
     stop = text_tokens[j - 1] + text_tokens[j]
     first_end = next(k for k in range(1, len(text_tokens)) if stop in "".join(text_tokens[: k + 1]))
     cut = engine.generate(prompts, 1, SamplingConfig(max_new_tokens=30, stop=[stop]), seed=4)

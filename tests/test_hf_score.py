@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from opd_cache.engines.hf_score import HFScorer, plan_batches
+from opd_cache.annotate.hf_score import HFScorer, plan_batches
 from opd_cache.models import build_tiny_model
 
 VOCAB = 99  # the shipped tokenizer's size
@@ -32,14 +32,17 @@ def direct_logprobs(model, prompt: np.ndarray, response: np.ndarray) -> torch.Te
     """[len(response), V] float32: row t is log_softmax of the logits that predict response[t]."""
     ids = torch.from_numpy(np.concatenate([prompt, response]).astype(np.int64))[None]
     logits = model(input_ids=ids).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)[len(prompt) - 1: len(prompt) - 1 + len(response)]
+    return torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : len(prompt) - 1 + len(response)]
 
 
 def split_rows(scores, lengths):
     bounds = np.cumsum(lengths)[:-1]
-    return (np.split(scores.topk_ids, bounds), np.split(scores.topk_logprobs, bounds),
-            np.split(scores.token_logprob, bounds),
-            np.split(scores.support_logprobs, bounds) if scores.support_logprobs is not None else None)
+    return (
+        np.split(scores.topk_ids, bounds),
+        np.split(scores.topk_logprobs, bounds),
+        np.split(scores.token_logprob, bounds),
+        np.split(scores.support_logprobs, bounds) if scores.support_logprobs is not None else None,
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -63,8 +66,9 @@ def test_scores_equal_direct_log_softmax_topk(arch):
         np.testing.assert_allclose(lps, top.values.numpy(), rtol=0, atol=1e-6)
         assert (np.diff(lps, axis=1) <= 0).all()  # sorted, descending
         # the sampled token's log-prob is exact, also when it is not among the top-k
-        np.testing.assert_allclose(tok, ref.gather(1, torch.from_numpy(r.astype(np.int64))[:, None])[:, 0].numpy(),
-                                   rtol=0, atol=1e-6)
+        np.testing.assert_allclose(
+            tok, ref.gather(1, torch.from_numpy(r.astype(np.int64))[:, None])[:, 0].numpy(), rtol=0, atol=1e-6
+        )
         outside_topk += int((~(ids == r[:, None]).any(axis=1)).sum())
         # union support: the teacher's log-probs at the student's top-k ids
         np.testing.assert_allclose(sup, ref.gather(1, torch.from_numpy(s.astype(np.int64))).numpy(), rtol=0, atol=1e-6)
@@ -75,10 +79,16 @@ def test_padding_side_budget_and_chunking_do_not_change_results():
     model = build_tiny_model(vocab_size=VOCAB, seed=4)
     prompts, responses, _ = random_rows(seed=1, n=20)
     reference = HFScorer(model, max_tokens_per_batch=1).score(prompts, responses, 8)  # one row per batch, no padding
-    for side, budget, chunk in [("right", 16, 1), ("right", 57, 5), ("right", 10_000, None),
-                                ("left", 16, None), ("left", 10_000, 5)]:
-        got = HFScorer(model, max_tokens_per_batch=budget, padding_side=side,
-                       head_chunk_tokens=chunk).score(prompts, responses, 8)
+    for side, budget, chunk in [
+        ("right", 16, 1),
+        ("right", 57, 5),
+        ("right", 10_000, None),
+        ("left", 16, None),
+        ("left", 10_000, 5),
+    ]:
+        got = HFScorer(model, max_tokens_per_batch=budget, padding_side=side, head_chunk_tokens=chunk).score(
+            prompts, responses, 8
+        )
         np.testing.assert_array_equal(got.topk_ids, reference.topk_ids)
         # CPU matmul kernels are not bitwise batch-invariant (results depend on the batch shape
         # by an ulp); the values agree to float32 rounding.
@@ -125,14 +135,19 @@ def test_vocab_limit_leaves_padded_embedding_rows_out():
     prompts, responses, _ = random_rows(seed=5, n=5)
     scores = HFScorer(model, vocab_limit=VOCAB).score(prompts, responses, 4)
     assert scores.topk_ids.max() < VOCAB
-    for p, r, lps, tok in zip(prompts, responses, np.split(scores.topk_logprobs, np.cumsum(scores.lengths)[:-1]),
-                              np.split(scores.token_logprob, np.cumsum(scores.lengths)[:-1])):
+    for p, r, lps, tok in zip(
+        prompts,
+        responses,
+        np.split(scores.topk_logprobs, np.cumsum(scores.lengths)[:-1]),
+        np.split(scores.token_logprob, np.cumsum(scores.lengths)[:-1]),
+    ):
         if len(r):
             with torch.inference_mode():
                 ids = torch.from_numpy(np.concatenate([p, r]).astype(np.int64))[None]
-                ref = torch.log_softmax(model(input_ids=ids).logits[0, :, :VOCAB].float(), -1)[len(p) - 1:-1]
-            np.testing.assert_allclose(tok, ref.gather(1, torch.from_numpy(r.astype(np.int64))[:, None])[:, 0],
-                                       atol=1e-6)
+                ref = torch.log_softmax(model(input_ids=ids).logits[0, :, :VOCAB].float(), -1)[len(p) - 1 : -1]
+            np.testing.assert_allclose(
+                tok, ref.gather(1, torch.from_numpy(r.astype(np.int64))[:, None])[:, 0], atol=1e-6
+            )
             np.testing.assert_allclose(lps, torch.topk(ref, 4).values, atol=1e-6)
 
 

@@ -23,13 +23,13 @@ from opd_cache import integrity
 from opd_cache.cli.common import app
 from opd_cache.config import AnnotateConfig
 from opd_cache.models import build_tiny_model, load_causal_lm, save_causal_lm
-from opd_cache.rollout import CorruptPolicyError, PolicyFiles
+from opd_cache.rollout.policy import CorruptPolicyError, PolicyFiles
 from opd_cache.schema import ROLLOUT, CorruptShardError, ShardMeta, read_shard
 from opd_cache.store import Store, make_shard_id
+from opd_cache.testing import write_synthetic_shard
 from opd_cache.tokenizer import tokenizer_fingerprint
 from opd_cache.train import train
 from opd_cache.train.checkpoint import complete_states, read_ledger, verify_ledger
-from opd_cache.train.synthetic import write_synthetic_shard
 from tests.conftest import write_random_rollout_shard
 from tests.faults import damage_offsets, flip_bytes, truncate
 from tests.test_trainer import K, assert_same_weights, config, final_weights
@@ -52,17 +52,39 @@ def student_path(tiny_model_factory):
     return tiny_model_factory("student", seed=0)
 
 
-def make_store(root: Path, student_path: Path, tokenizer, teacher_path: Path, *, shards: int = 3, rows: int = 8,
-               skip: tuple[str, ...] = ()) -> Store:
+def make_store(
+    root: Path,
+    student_path: Path,
+    tokenizer,
+    teacher_path: Path,
+    *,
+    shards: int = 3,
+    rows: int = 8,
+    skip: tuple[str, ...] = (),
+) -> Store:
     """Shards v000000-w00-00000{0..}, annotated by the tiny teacher; `skip` names files never written."""
     store = Store(root)
-    run = store.ensure_run(student=str(student_path), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-                           vocab_size=len(tokenizer), top_k=K, teachers={"teacher": str(teacher_path)})
+    run = store.ensure_run(
+        student=str(student_path),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        vocab_size=len(tokenizer),
+        top_k=K,
+        teachers={"teacher": str(teacher_path)},
+    )
     teacher, behavior = load_causal_lm(teacher_path), load_causal_lm(student_path)
     for seq in range(shards):
         shard_id = make_shard_id(0, "w00", seq)
-        write_synthetic_shard(store, run, shard_id, num_rows=rows, vocab_size=len(tokenizer), top_k=K, seed=seq,
-                              teachers={"teacher": teacher}, behavior=behavior)
+        write_synthetic_shard(
+            store,
+            run,
+            shard_id,
+            num_rows=rows,
+            vocab_size=len(tokenizer),
+            top_k=K,
+            seed=seq,
+            teachers={"teacher": teacher},
+            behavior=behavior,
+        )
         for rel in (store.rollout_path(shard_id), store.annotated_path(shard_id, "teacher")):
             if rel in skip:
                 store.delete(rel)
@@ -93,8 +115,11 @@ def quarantine_reason(store: Store, rel: str) -> str:
 def test_damaged_shard_is_refused_with_a_message_naming_it(local_store, how, kind):
     run = local_store.ensure_run(student="s", tokenizer_fingerprint="fp")
     write_synthetic_shard(local_store, run, "v000000-w00-000000", num_rows=16, vocab_size=50, top_k=4)
-    rel = local_store.rollout_path("v000000-w00-000000") if kind == "rollout" else \
-        local_store.annotated_path("v000000-w00-000000", "teacher")
+    rel = (
+        local_store.rollout_path("v000000-w00-000000")
+        if kind == "rollout"
+        else local_store.annotated_path("v000000-w00-000000", "teacher")
+    )
     read_shard(local_store, rel)  # control: intact, it reads
     path = local_store.local_path(rel)
     for seed in range(3):  # three seeded offsets (or lengths) per region
@@ -104,9 +129,12 @@ def test_damaged_shard_is_refused_with_a_message_naming_it(local_store, how, kin
             read_shard(local_store, rel)
         message = str(caught.value)
         if how == "truncate":
-            assert re.fullmatch(re.escape(f"shard {path} failed its checksum (") + r".+" + re.escape(
-                "no valid trailer: truncated, or its last bytes are damaged)"), message) \
-                or message.startswith(f"{path}: truncated or not an Arrow IPC stream ("), message
+            assert re.fullmatch(
+                re.escape(f"shard {path} failed its checksum (")
+                + r".+"
+                + re.escape("no valid trailer: truncated, or its last bytes are damaged)"),
+                message,
+            ) or message.startswith(f"{path}: truncated or not an Arrow IPC stream ("), message
         else:
             assert message.startswith(f"shard {path} failed its checksum ("), message
         assert caught.value.rel == rel
@@ -117,11 +145,12 @@ def test_checksum_message_says_stored_and_computed(local_store):
     write_random_rollout_shard(local_store, shard_id="v000000-w00-000000", num_rows=8)
     rel = local_store.rollout_path("v000000-w00-000000")
     path = local_store.local_path(rel)
-    stored = path.read_bytes()[-integrity.TRAILER_SIZE:-16][::-1].hex()  # the trailer's little-endian checksum
+    stored = path.read_bytes()[-integrity.TRAILER_SIZE : -16][::-1].hex()  # the trailer's little-endian checksum
     flip_bytes(path, path.stat().st_size // 2, count=64)
-    computed = integrity.checksum(path.read_bytes()[:-integrity.TRAILER_SIZE])
-    with pytest.raises(CorruptShardError, match=re.escape(
-            f"shard {path} failed its checksum (stored {stored}, computed {computed})")):
+    computed = integrity.checksum(path.read_bytes()[: -integrity.TRAILER_SIZE])
+    with pytest.raises(
+        CorruptShardError, match=re.escape(f"shard {path} failed its checksum (stored {stored}, computed {computed})")
+    ):
         read_shard(local_store, rel)
 
 
@@ -141,10 +170,13 @@ def test_old_shards_without_checksum_read_with_one_warning(local_store, capsys, 
     for seq in range(2):  # written as opd_cache wrote shards before checksums: a bare Arrow stream
         shard_id = make_shard_id(0, "w00", seq)
         table = write_random_rollout_shard(local_store, shard_id=shard_id, run=run)
-        meta = ShardMeta(kind=ROLLOUT, run_id=run["run_id"], tokenizer_fingerprint="fp", shard_id=shard_id,
-                         policy_version=0)
-        with pa.ipc.new_stream(str(local_store.local_path(local_store.rollout_path(shard_id))),
-                               table.schema.with_metadata(meta.to_metadata())) as writer:
+        meta = ShardMeta(
+            kind=ROLLOUT, run_id=run["run_id"], tokenizer_fingerprint="fp", shard_id=shard_id, policy_version=0
+        )
+        with pa.ipc.new_stream(
+            str(local_store.local_path(local_store.rollout_path(shard_id))),
+            table.schema.with_metadata(meta.to_metadata()),
+        ) as writer:
             writer.write_table(table)
     capsys.readouterr()
     for seq in range(2):
@@ -165,9 +197,15 @@ def reference_weights(tmp_path_factory, tiny_model_factory, tokenizer, teacher_p
     def get(missing: str) -> dict:
         if missing not in cache:
             root = tmp_path_factory.mktemp("reference")
-            store = make_store(root / "store", tiny_model_factory("student", seed=0), tokenizer, teacher_path,
-                               skip=(missing,) if missing.startswith("annotated") else
-                               (missing, missing.replace("rollouts/", "annotated/").replace(".arrow", "/teacher.arrow")))
+            store = make_store(
+                root / "store",
+                tiny_model_factory("student", seed=0),
+                tokenizer,
+                teacher_path,
+                skip=(missing,)
+                if missing.startswith("annotated")
+                else (missing, missing.replace("rollouts/", "annotated/").replace(".arrow", "/teacher.arrow")),
+            )
             train(config(store, max_steps=3, lr=3e-3))
             cache[missing] = final_weights(store)
         return cache[missing]
@@ -176,9 +214,9 @@ def reference_weights(tmp_path_factory, tiny_model_factory, tokenizer, teacher_p
 
 
 @pytest.mark.parametrize("how", DAMAGE)
-def test_damaged_annotated_part_is_quarantined_never_trained_and_rescored(tmp_path, student_path, tokenizer,
-                                                                         teacher_path, reference_weights, how,
-                                                                         capsys):
+def test_damaged_annotated_part_is_quarantined_never_trained_and_rescored(
+    tmp_path, student_path, tokenizer, teacher_path, reference_weights, how, capsys
+):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher_path)
     shard_id = make_shard_id(0, "w00", 1)
     rel = store.annotated_path(shard_id, "teacher")
@@ -208,8 +246,9 @@ def test_damaged_annotated_part_is_quarantined_never_trained_and_rescored(tmp_pa
 
 
 @pytest.mark.parametrize("how", DAMAGE)
-def test_damaged_rollout_shard_is_quarantined_and_its_rows_counted_as_lost(tmp_path, student_path, tokenizer,
-                                                                          teacher_path, reference_weights, how):
+def test_damaged_rollout_shard_is_quarantined_and_its_rows_counted_as_lost(
+    tmp_path, student_path, tokenizer, teacher_path, reference_weights, how
+):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher_path)
     shard_id = make_shard_id(0, "w00", 1)
     rel = store.rollout_path(shard_id)
@@ -228,13 +267,16 @@ def test_damaged_rollout_shard_is_quarantined_and_its_rows_counted_as_lost(tmp_p
 
 # ------------------------------------------------------------------ resume states
 @pytest.mark.parametrize("how", DAMAGE)
-def test_damaged_newest_resume_state_falls_back_to_the_previous_one(tmp_path, student_path, tokenizer, teacher_path,
-                                                                   how, capsys):
+def test_damaged_newest_resume_state_falls_back_to_the_previous_one(
+    tmp_path, student_path, tokenizer, teacher_path, how, capsys
+):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher_path)
     train(config(store, max_steps=2, publish_every=1, save_every=1, keep_states=2, lr=3e-3))
     assert complete_states(store) == [1, 2]
     state = store.local_path("train/state/step-000002")
-    victim = {"header": ".metadata", "middle": "__0_0.distcp", "footer": "trainer.json", "truncate": "__0_0.distcp"}[how]
+    victim = {"header": ".metadata", "middle": "__0_0.distcp", "footer": "trainer.json", "truncate": "__0_0.distcp"}[
+        how
+    ]
     damage(state / victim, how, seed=20 + DAMAGE.index(how))
     capsys.readouterr()
     train(config(store, max_steps=3, publish_every=1, save_every=1, keep_states=2, lr=3e-3))
@@ -259,8 +301,9 @@ def test_damaged_policy_version_is_never_loaded(tmp_path, student_path, tokenize
     damage(weights, how, seed=30 + DAMAGE.index(how))
 
     policies = PolicyFiles(store, str(student_path))
-    with pytest.raises(CorruptPolicyError, match=re.escape(f"policy version 2 is not loaded: {weights} failed its "
-                                                           f"checksum (stored ")):
+    with pytest.raises(
+        CorruptPolicyError, match=re.escape(f"policy version 2 is not loaded: {weights} failed its checksum (stored ")
+    ):
         policies.path(2)
     assert "failed its checksum" in quarantine_reason(store, "policy/v000002/model.safetensors")
     capsys.readouterr()
@@ -289,9 +332,19 @@ def test_rollout_keeps_its_version_when_the_new_one_is_damaged(tmp_path, student
     train(config(store, max_steps=1, publish_every=1, lr=3e-3))
     flip_bytes(store.local_path("policy/v000001/model.safetensors"), 200, count=4)
     prompts = write_prompts(tmp_path / "p.jsonl", questions(4))
-    result = run_rollout(RolloutConfig(student=str(student_path), prompts=str(prompts), n=2, worker_id="w01",
-                                       sampling=SamplingConfig(max_new_tokens=4), flush_rows=4, max_samples=4,
-                                       max_staleness=5), store)
+    result = run_rollout(
+        RolloutConfig(
+            student=str(student_path),
+            prompts=str(prompts),
+            n=2,
+            worker_id="w01",
+            sampling=SamplingConfig(max_new_tokens=4),
+            flush_rows=4,
+            max_samples=4,
+            max_staleness=5,
+        ),
+        store,
+    )
     assert result.policy_version == 0 and result.shards == ["v000000-w01-000000"]
     assert "failed its checksum (stored" in quarantine_reason(store, "policy/v000001/model.safetensors")
 
@@ -306,8 +359,12 @@ def test_verify_reports_each_damaged_file_and_exits_non_zero(tmp_path, student_p
     # 3 rollout shards + 3 parts + 2 versions and 2 states (each file of their manifests)
     assert re.search(r": (\d+) ok, 0 corrupt, 0 missing, 0 without checksum", summary), summary
 
-    damaged = [store.rollout_path(make_shard_id(0, "w00", 0)), store.annotated_path(make_shard_id(0, "w00", 2), "teacher"),
-               "policy/v000001/model.safetensors", "train/state/step-000002/trainer.json"]
+    damaged = [
+        store.rollout_path(make_shard_id(0, "w00", 0)),
+        store.annotated_path(make_shard_id(0, "w00", 2), "teacher"),
+        "policy/v000001/model.safetensors",
+        "train/state/step-000002/trainer.json",
+    ]
     for i, rel in enumerate(damaged):
         flip_bytes(store.local_path(rel), 100 + i, count=2)
     store.delete("policy/v000002/config.json")
@@ -348,15 +405,25 @@ def test_damaged_part_of_a_partly_trained_shard_waits_for_annotate(local_store):
     from opd_cache.train.shard_data import ShardCache
     from opd_cache.train.stream import ShardStream, StreamEnd
 
-    run = local_store.ensure_run(student="s", tokenizer_fingerprint="fp", vocab_size=32, top_k=4,
-                                 teachers={"teacher": "t"})
+    run = local_store.ensure_run(
+        student="s", tokenizer_fingerprint="fp", vocab_size=32, top_k=4, teachers={"teacher": "t"}
+    )
     shard_id = make_shard_id(0, "w00", 0)
     write_synthetic_shard(local_store, run, shard_id, num_rows=8, vocab_size=32, top_k=4)
     rel = local_store.annotated_path(shard_id, "teacher")
     intact = local_store.local_path(rel).read_bytes()
     cache = ShardCache(local_store, run, ["teacher"])
-    stream = ShardStream(local_store, run, cache, max_staleness=10, batch_samples=4, batch_tokens=None,
-                         follow=True, poll_seconds=0.02, idle_timeout=30)
+    stream = ShardStream(
+        local_store,
+        run,
+        cache,
+        max_staleness=10,
+        batch_samples=4,
+        batch_tokens=None,
+        follow=True,
+        poll_seconds=0.02,
+        idle_timeout=30,
+    )
     events = []
     stream.on_event = events.append
     first = stream.next_batch(1, 0)
@@ -373,8 +440,14 @@ def test_damaged_part_of_a_partly_trained_shard_waits_for_annotate(local_store):
     assert rel.replace("/", "__") in local_store.list_quarantine()
 
     # without --follow the stream ends instead, naming the file
-    stream = ShardStream(local_store, run, ShardCache(local_store, run, ["teacher"]), max_staleness=10,
-                         batch_samples=4, batch_tokens=None)
+    stream = ShardStream(
+        local_store,
+        run,
+        ShardCache(local_store, run, ["teacher"]),
+        max_staleness=10,
+        batch_samples=4,
+        batch_tokens=None,
+    )
     stream.on_event = events.append
     stream.next_batch(1, 0)
     stream.cache._shards.clear()
@@ -392,14 +465,21 @@ def test_damaged_rollout_shard_of_a_partly_trained_shard_loses_only_its_untraine
     from opd_cache.train.shard_data import ShardCache
     from opd_cache.train.stream import ShardStream
 
-    run = local_store.ensure_run(student="s", tokenizer_fingerprint="fp", vocab_size=32, top_k=4,
-                                 teachers={"teacher": "t"})
+    run = local_store.ensure_run(
+        student="s", tokenizer_fingerprint="fp", vocab_size=32, top_k=4, teachers={"teacher": "t"}
+    )
     first, second = make_shard_id(0, "w00", 0), make_shard_id(0, "w00", 1)
     for seed, shard_id in enumerate((first, second)):
         write_synthetic_shard(local_store, run, shard_id, num_rows=8, vocab_size=32, top_k=4, seed=seed)
     rel = local_store.rollout_path(first)
-    stream = ShardStream(local_store, run, ShardCache(local_store, run, ["teacher"]), max_staleness=10,
-                         batch_samples=4, batch_tokens=None)
+    stream = ShardStream(
+        local_store,
+        run,
+        ShardCache(local_store, run, ["teacher"]),
+        max_staleness=10,
+        batch_samples=4,
+        batch_tokens=None,
+    )
     events = []
     stream.on_event = events.append
     assert stream.next_batch(1, 0).sample_ids == [f"{first}-{i}" for i in range(4)]
@@ -419,8 +499,9 @@ def test_damaged_rollout_shard_of_a_partly_trained_shard_loses_only_its_untraine
         assert events == [f"{quarantine_reason(local_store, rel).split(': ', 1)[1]}: quarantined"]
         assert events[0].startswith(f"shard {local_store.local_path(rel)} failed its checksum (stored ")
     else:
-        assert events == [f"{local_store.path(rel)} was quarantined by its rollout worker: "
-                          f"4 rows not trained yet are lost"]
+        assert events == [
+            f"{local_store.path(rel)} was quarantined by its rollout worker: 4 rows not trained yet are lost"
+        ]
 
 
 def test_partly_trained_damaged_shard_with_routing_keeps_every_row_in_the_ledger_once(local_store):
@@ -429,17 +510,36 @@ def test_partly_trained_damaged_shard_with_routing_keeps_every_row_in_the_ledger
     from opd_cache.train.shard_data import ShardCache
     from opd_cache.train.stream import ShardStream, StreamEnd
 
-    run = local_store.ensure_run(student="s", tokenizer_fingerprint="fp", vocab_size=32, top_k=4,
-                                 teachers={"math": "m", "code": "c"},
-                                 routing={"key": "data_source", "map": {"gsm8k": "math", "mbpp": "code"},
-                                          "default": None})
+    run = local_store.ensure_run(
+        student="s",
+        tokenizer_fingerprint="fp",
+        vocab_size=32,
+        top_k=4,
+        teachers={"math": "m", "code": "c"},
+        routing={"key": "data_source", "map": {"gsm8k": "math", "mbpp": "code"}, "default": None},
+    )
     sources = ["gsm8k", "mbpp", "other", "mbpp", "gsm8k", "other", "gsm8k", "mbpp"]
     shard_id = make_shard_id(0, "w00", 0)
-    write_synthetic_shard(local_store, run, shard_id, num_rows=8, vocab_size=32, top_k=4, seed=3,
-                          teachers={"math": None, "code": None}, routing={"gsm8k": "math", "mbpp": "code"},
-                          data_sources=sources)
-    stream = ShardStream(local_store, run, ShardCache(local_store, run, ["code", "math"]), max_staleness=10,
-                         batch_samples=4, batch_tokens=None)
+    write_synthetic_shard(
+        local_store,
+        run,
+        shard_id,
+        num_rows=8,
+        vocab_size=32,
+        top_k=4,
+        seed=3,
+        teachers={"math": None, "code": None},
+        routing={"gsm8k": "math", "mbpp": "code"},
+        data_sources=sources,
+    )
+    stream = ShardStream(
+        local_store,
+        run,
+        ShardCache(local_store, run, ["code", "math"]),
+        max_staleness=10,
+        batch_samples=4,
+        batch_tokens=None,
+    )
     stream.on_event = lambda message: None
     first = stream.next_batch(1, 0)
     assert first.sample_ids == [f"{shard_id}-{i}" for i in (0, 1, 3, 4)] and stream.cursor.current_rows == 5
@@ -447,16 +547,19 @@ def test_partly_trained_damaged_shard_with_routing_keeps_every_row_in_the_ledger
     rel = local_store.rollout_path(shard_id)
     flip_bytes(local_store.local_path(rel), local_store.local_path(rel).stat().st_size // 2, count=8)
     assert isinstance(stream.next_batch(2, 0), StreamEnd)  # nothing else to train: the stream ends, no error
-    skipped = dict((r["sample_id"], r["reason"]) for r in map(json.loads, local_store.read_bytes(
-        f"train/skipped/{shard_id}.jsonl").splitlines()))
+    skipped = dict(
+        (r["sample_id"], r["reason"])
+        for r in map(json.loads, local_store.read_bytes(f"train/skipped/{shard_id}.jsonl").splitlines())
+    )
     assert skipped == {f"{shard_id}-2": "unrouted", f"{shard_id}-6": "lost", f"{shard_id}-7": "lost"}
     assert set(skipped).isdisjoint(first.sample_ids)  # every row of the shard recorded once, row 5 unknowable
     assert (stream.cursor.lost_samples, stream.cursor.unrouted_samples, stream.cursor.lost_shards) == (2, 1, 1)
     assert rel.replace("/", "__") in local_store.list_quarantine()
 
 
-def test_resumed_trainer_loses_the_untrained_rows_of_a_damaged_shard_and_goes_on(tmp_path, student_path, tokenizer,
-                                                                                teacher_path):
+def test_resumed_trainer_loses_the_untrained_rows_of_a_damaged_shard_and_goes_on(
+    tmp_path, student_path, tokenizer, teacher_path
+):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher_path)
     train(config(store, max_steps=1, global_batch_samples=4, save_every=1, lr=3e-3))  # rows 0-3 of shard 0
     shard_id = make_shard_id(0, "w00", 0)
@@ -476,26 +579,33 @@ def test_resumed_trainer_loses_the_untrained_rows_of_a_damaged_shard_and_goes_on
 
 
 # ------------------------------------------------------------------ a rollout worker's own newest shard
-def test_rollout_worker_quarantines_its_damaged_newest_shard_and_samples_its_prompts_again(tiny_model_factory,
-                                                                                          tmp_path, capsys):
+def test_rollout_worker_quarantines_its_damaged_newest_shard_and_samples_its_prompts_again(
+    tiny_model_factory, tmp_path, capsys
+):
     from opd_cache.config import RolloutConfig, SamplingConfig
     from opd_cache.metrics import read_metrics
-    from opd_cache.rollout import resume_point, run_rollout
+    from opd_cache.rollout import run_rollout
+    from opd_cache.rollout.resume import resume_point
     from tests.test_rollout import questions, write_prompts
 
     store = Store(tmp_path / "store")
     prompts = write_prompts(tmp_path / "p.jsonl", questions(8))
-    cfg = dict(student=str(tiny_model_factory("student")), prompts=str(prompts), n=2, flush_rows=4,
-               sampling=SamplingConfig(max_new_tokens=4))
+    cfg = dict(
+        student=str(tiny_model_factory("student")),
+        prompts=str(prompts),
+        n=2,
+        flush_rows=4,
+        sampling=SamplingConfig(max_new_tokens=4),
+    )
     run_rollout(RolloutConfig(**cfg, max_samples=8), store)  # shards 0 and 1: 2 prompts each, cursor 2 and 4
     run = store.require_run()
 
     def damage_shard(seq: int) -> tuple[str, Path, str]:
         rel = store.rollout_path(make_shard_id(0, "w00", seq))
         path = store.local_path(rel)
-        stored = path.read_bytes()[-integrity.TRAILER_SIZE:-16][::-1].hex()
+        stored = path.read_bytes()[-integrity.TRAILER_SIZE : -16][::-1].hex()
         flip_bytes(path, path.stat().st_size // 2, count=8)
-        computed = integrity.checksum(path.read_bytes()[:-integrity.TRAILER_SIZE])
+        computed = integrity.checksum(path.read_bytes()[: -integrity.TRAILER_SIZE])
         return rel, path, f"shard {path} failed its checksum (stored {stored}, computed {computed}): quarantined"
 
     rel = store.rollout_path(make_shard_id(0, "w00", 1))
@@ -512,7 +622,8 @@ def test_rollout_worker_quarantines_its_damaged_newest_shard_and_samples_its_pro
     assert quarantine_reason(store, rel) == f"{rel}: {message.removesuffix(': quarantined')}"
     events = [r for r in read_metrics(store, "rollout")["rollout-w00"] if r.get("event") == "shard_quarantined"]
     assert [(e["shard"], e["resumed_from"], e["cursor"]) for e in events] == [
-        (make_shard_id(0, "w00", 1), make_shard_id(0, "w00", 0), 2)]
+        (make_shard_id(0, "w00", 1), make_shard_id(0, "w00", 0), 2)
+    ]
 
     # a worker restarted before it wrote anything new still skips the quarantined seq
     rel, path, message = damage_shard(3)
@@ -532,8 +643,9 @@ def test_torn_progress_read_is_retried_and_a_damaged_one_counts_as_not_yet_writt
     torn = good + b"\x86\x00" * 20
     reads = iter([torn, good])
     real = local_store.read_bytes
-    monkeypatch.setattr(local_store, "read_bytes",
-                        lambda rel: next(reads) if rel == "train/progress.json" else real(rel))
+    monkeypatch.setattr(
+        local_store, "read_bytes", lambda rel: next(reads) if rel == "train/progress.json" else real(rel)
+    )
     assert local_store.read_progress() == {"consumed_samples": 8}
     assert capsys.readouterr().err == ""
     monkeypatch.undo()

@@ -19,12 +19,12 @@ from typer.testing import CliRunner
 from opd_cache.annotate import Annotator
 from opd_cache.cli import app
 from opd_cache.config import AnnotateConfig
-from opd_cache.rollout import BacklogGauge
+from opd_cache.rollout.pacing import BacklogGauge
 from opd_cache.store import COMPLETE_MARKER, ShardTally, ShardWatch, Store, StoreError, make_shard_id
+from opd_cache.testing import write_synthetic_shard
 from opd_cache.tokenizer import tokenizer_fingerprint
 from opd_cache.train.shard_data import ShardCache, required_teachers
 from opd_cache.train.stream import ShardStream, StreamEnd
-from opd_cache.train.synthetic import write_synthetic_shard
 
 WORKERS = ("w00", "w01", "w02", "w03")
 
@@ -123,7 +123,8 @@ def test_flat_layout_of_earlier_versions_is_read_refused_by_stages_and_migrated(
     assert str(refused.value) == (
         f"{store.path('rollouts/v000000-w00-000000.arrow')} and 2 more shards are in the flat layout of earlier "
         f"opd_cache versions (rollouts/<shard>.arrow); run `opd migrate --store {store.uri}` once, with no stage "
-        f"running")
+        f"running"
+    )
 
     runner = CliRunner()
     dry = runner.invoke(app, ["migrate", "--store", store.uri, "--dry-run"])
@@ -172,22 +173,34 @@ def count_poll(store: Store, poll) -> Counter:
 
 
 @pytest.mark.parametrize("stage", ["trainer", "annotate", "rollout"])
-def test_a_polls_requests_do_not_grow_with_versions_outside_the_window(tmp_path, stage, tiny_model_factory,
-                                                                       tokenizer):
+def test_a_polls_requests_do_not_grow_with_versions_outside_the_window(tmp_path, stage, tiny_model_factory, tokenizer):
     """The same window over 20 and over 500 versions of history costs the same LIST/HEAD/GET requests."""
     costs = {}
     for versions in (20, 500):
         store, _ = placeholder_store(tmp_path / f"s{versions}", versions, annotated_until=versions - 1)
-        store.ensure_run(student="student", tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-                         vocab_size=len(tokenizer), top_k=4)
+        store.ensure_run(
+            student="student",
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+            vocab_size=len(tokenizer),
+            top_k=4,
+        )
         latest = versions - 1
         if stage == "trainer":
-            stream = ShardStream(store, store.read_run(), ShardCache(store, store.read_run(), ["teacher"]),
-                                 max_staleness=2, batch_samples=4, batch_tokens=None)
+            stream = ShardStream(
+                store,
+                store.read_run(),
+                ShardCache(store, store.read_run(), ["teacher"]),
+                max_staleness=2,
+                batch_samples=4,
+                batch_tokens=None,
+            )
             poll = lambda: stream.refresh(latest)  # noqa: E731
         elif stage == "annotate":
-            annotator = Annotator(store, AnnotateConfig(teacher=str(tiny_model_factory("teacher")), top_k=4,
-                                                        max_staleness=2), scorer=object())
+            annotator = Annotator(
+                store,
+                AnnotateConfig(teacher=str(tiny_model_factory("teacher")), top_k=4, max_staleness=2),
+                scorer=object(),
+            )
             poll = annotator.pending_shards
         else:
             gauge = BacklogGauge(store, window=2)
@@ -204,8 +217,9 @@ def test_a_polls_requests_do_not_grow_with_versions_outside_the_window(tmp_path,
 
 # ---------------------------------------------------------------- each stage finds exactly what it should
 def test_trainer_trains_the_window_expires_the_rest_and_counts_a_shard_published_late(local_store):
-    run = local_store.ensure_run(student="student", tokenizer_fingerprint="fp-test", vocab_size=32, top_k=4,
-                                 teachers={"teacher": "t"})
+    run = local_store.ensure_run(
+        student="student", tokenizer_fingerprint="fp-test", vocab_size=32, top_k=4, teachers={"teacher": "t"}
+    )
 
     def shard(version, seq, worker="w00"):
         shard_id = make_shard_id(version, worker, seq)
@@ -217,8 +231,17 @@ def test_trainer_trains_the_window_expires_the_rest_and_counts_a_shard_published
     for v in range(1, 12):
         local_store.write_bytes(f"policy/v{v:06d}/{COMPLETE_MARKER}", b"")
     publish(11)
-    stream = ShardStream(local_store, run, ShardCache(local_store, run, required_teachers(run)), max_staleness=1,
-                         batch_samples=4, batch_tokens=None, follow=True, poll_seconds=0.001, idle_timeout=0.3)
+    stream = ShardStream(
+        local_store,
+        run,
+        ShardCache(local_store, run, required_teachers(run)),
+        max_staleness=1,
+        batch_samples=4,
+        batch_tokens=None,
+        follow=True,
+        poll_seconds=0.001,
+        idle_timeout=0.3,
+    )
     trained = []
     for step in (1, 2):
         batch = stream.next_batch(step, 11)
@@ -233,18 +256,20 @@ def test_trainer_trains_the_window_expires_the_rest_and_counts_a_shard_published
     end = stream.next_batch(4, 11)
     assert isinstance(end, StreamEnd) and end.reason == "no admissible data for 0.3 s (idle timeout)"
     assert stream.cursor.expired_samples == 44 and late_old in stream.cursor.finished
-    skipped = [json.loads(line) for line in
-               local_store.read_bytes(f"train/skipped/{late_old}.jsonl").decode().splitlines()]
+    skipped = [
+        json.loads(line) for line in local_store.read_bytes(f"train/skipped/{late_old}.jsonl").decode().splitlines()
+    ]
     assert skipped == [{"sample_id": f"{late_old}-{row}", "reason": "expired"} for row in range(4)]
 
 
-def test_annotate_finds_the_unannotated_shards_of_its_window_and_of_the_sweep(tmp_path, tiny_model_factory,
-                                                                              tokenizer):
+def test_annotate_finds_the_unannotated_shards_of_its_window_and_of_the_sweep(tmp_path, tiny_model_factory, tokenizer):
     store, ids = placeholder_store(tmp_path / "s", versions=60, annotated_until=58)  # 58, 59 unannotated
-    store.ensure_run(student="student", tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-                     vocab_size=len(tokenizer))
-    annotator = Annotator(store, AnnotateConfig(teacher=str(tiny_model_factory("teacher")), top_k=4,
-                                                max_staleness=2), scorer=object())
+    store.ensure_run(
+        student="student", tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer)
+    )
+    annotator = Annotator(
+        store, AnnotateConfig(teacher=str(tiny_model_factory("teacher")), top_k=4, max_staleness=2), scorer=object()
+    )
     assert ids_of(annotator.pending_shards()) == in_versions(ids, [58, 59])  # first poll: everything listed
     late = make_shard_id(5, "w09", 1)  # published late into version 5, never annotated
     placeholder(store, store.rollout_path(late))

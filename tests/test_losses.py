@@ -22,7 +22,6 @@ from opd_cache.losses import (
     token_losses,
 )
 
-
 BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
 DIVERGENCES = ["forward_kl", "reverse_kl", "jsd"]
 HYPOTHESIS = settings(max_examples=30, deadline=None, derandomize=True)
@@ -172,7 +171,9 @@ def test_union_support_counts_duplicates_once(divergence, tail):
     ref = naive_bucket(logits, torch.cat([ids, extra_ids], 1), torch.cat([values, extra_lp], 1), divergence, 0.5, tail)
     torch.testing.assert_close(ours.double(), ref, atol=1e-5, rtol=1e-5)
     # an extra support made only of duplicates changes nothing
-    same = token_losses(logits, ids, values, **options, support_ids=ids.flip(1), support_teacher_logprobs=values.flip(1))
+    same = token_losses(
+        logits, ids, values, **options, support_ids=ids.flip(1), support_teacher_logprobs=values.flip(1)
+    )
     torch.testing.assert_close(same, token_losses(logits, ids, values, **options))
 
 
@@ -181,7 +182,9 @@ def test_union_covering_the_vocabulary_drops_the_tail():
     teacher_lp, ids, values = teacher_topk(n, vocab, 7, seed=9)
     rest = teacher_lp.topk(vocab, dim=1).indices[:, 4:]  # overlaps ids[:, 4:7], covers the rest
     logits = student(n, vocab)
-    ours = token_losses(logits, ids, values, support_ids=rest, support_teacher_logprobs=teacher_lp.gather(1, rest).float())
+    ours = token_losses(
+        logits, ids, values, support_ids=rest, support_teacher_logprobs=teacher_lp.gather(1, rest).float()
+    )
     ref = full_divergence(logits.double().log_softmax(-1), teacher_lp, "forward_kl", 0.5)
     torch.testing.assert_close(ours.double(), ref, atol=1e-5, rtol=0)
 
@@ -289,7 +292,9 @@ def test_token_losses_policy_gradient_matches_pg_loss(importance_cap):
     logits = student(n, vocab)
     g = torch.Generator().manual_seed(2)
     sampled = torch.randint(0, vocab, (n,), generator=g)
-    behavior = logits.detach().log_softmax(-1).gather(1, sampled[:, None]).squeeze(1) + 0.3 * torch.randn(n, generator=g)
+    behavior = logits.detach().log_softmax(-1).gather(1, sampled[:, None]).squeeze(1) + 0.3 * torch.randn(
+        n, generator=g
+    )
     t = torch.randn(n, generator=g) - 2
 
     def ref(x):
@@ -413,7 +418,9 @@ def test_forward_kl_bucket_is_monotone_in_k(problem):
     vocab = logits.shape[1]
     values, ids = teacher_lp.topk(vocab, dim=1)
     # a teacher whose tail rounds to nothing gets a clamped p_tail; keep honest tails here
-    losses = [token_losses(logits.double(), ids[:, :k], values[:, :k], divergence="forward_kl") for k in range(1, vocab + 1)]
+    losses = [
+        token_losses(logits.double(), ids[:, :k], values[:, :k], divergence="forward_kl") for k in range(1, vocab + 1)
+    ]
     full = full_divergence(logits.double().log_softmax(-1), teacher_lp, "forward_kl", 0.5)
     tail_ok = (1 - values.exp().cumsum(1)) > 10 * P_TAIL_MIN
     for k in range(1, vocab):
@@ -463,7 +470,9 @@ def test_micro_batch_split_gives_the_same_gradient(mode):
         weight = layer.clone().requires_grad_()
         for rows in torch.arange(8).chunk(parts):
             logits = (x[rows] @ weight).reshape(-1, vocab)
-            per_token = token_losses(logits, ids[rows].reshape(-1, k), values[rows].reshape(-1, k)).reshape(len(rows), 6)
+            per_token = token_losses(logits, ids[rows].reshape(-1, k), values[rows].reshape(-1, k)).reshape(
+                len(rows), 6
+            )
             loss = aggregate(per_token, mask[rows], mode, global_tokens=total_tokens, global_seqs=total_seqs)
             loss.backward()
         grads.append(weight.grad)
@@ -492,7 +501,6 @@ def test_aggregation_weights_sum_to_one_on_the_global_batch():
 
 
 def test_diagnostics_report_masses_overlap_and_loss_range():
-    vocab = 6
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.1, 0.1, 0.05, 0.05], [0.05, 0.05, 0.1, 0.1, 0.3, 0.4]]))
     ids = torch.tensor([[0, 2], [0, 1]])
     values = torch.log(torch.tensor([[0.5, 0.2], [0.6, 0.3]]))

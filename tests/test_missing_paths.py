@@ -24,13 +24,13 @@ def error_line(out) -> str:
 def nothing_loads(monkeypatch):
     """Fail the test if a tokenizer or model is loaded: the checks must come first."""
     import opd_cache.evaluate
-    import opd_cache.rollout
+    import opd_cache.rollout.worker
     import opd_cache.tokenizer
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"loaded {args} before checking the inputs")
 
-    for module in (opd_cache.tokenizer, opd_cache.rollout, opd_cache.evaluate):
+    for module in (opd_cache.tokenizer, opd_cache.rollout.worker, opd_cache.evaluate):
         monkeypatch.setattr(module, "load_tokenizer", refuse)
     monkeypatch.setattr(opd_cache.evaluate, "load_causal_lm", refuse, raising=False)
 
@@ -54,8 +54,17 @@ def test_relative_paths_count_as_local(tmp_path, monkeypatch, nothing_loads):
 
 
 def test_a_hub_id_is_left_to_the_hub_and_prompts_are_checked_before_any_model_loads(tmp_path, nothing_loads):
-    line = error_line(opd("rollout", "--store", str(tmp_path / "s"), "--student", "Qwen/Qwen3-0.6B",
-                          "--prompts", str(tmp_path / "nope.parquet")))
+    line = error_line(
+        opd(
+            "rollout",
+            "--store",
+            str(tmp_path / "s"),
+            "--student",
+            "Qwen/Qwen3-0.6B",
+            "--prompts",
+            str(tmp_path / "nope.parquet"),
+        )
+    )
     assert f"error: prompts file {tmp_path / 'nope.parquet'} does not exist" in line
     assert not looks_local("Qwen/Qwen3-0.6B") and not looks_local("gpt2")
     check_model_path("Qwen/Qwen3-0.6B", "--student")  # no error: it may be downloadable elsewhere

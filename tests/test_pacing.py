@@ -16,7 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from opd_cache.rollout import BacklogGauge, count_rows
+from opd_cache.rollout.pacing import BacklogGauge
+from opd_cache.schema import count_rows
 from opd_cache.store import Store
 from tests.conftest import write_random_rollout_shard
 from tests.test_trainer import student_path, teacher  # noqa: F401  (fixtures)
@@ -29,12 +30,24 @@ def tiny_run_config(tmp_path: Path) -> Path:
     """A run like tests/test_run.py's, without the evaluator; a lead (max_buffer_samples) of the whole run."""
     config = {
         "store": {"uri": str(tmp_path / "store")},
-        "rollout": {"student": str(REPO / "data/models/student"),
-                    "prompts": str(REPO / "data/arithmetic/train.parquet"), "n": N, "batch_prompts": 2, "flush_rows": BATCH, "max_buffer_samples": STEPS * BATCH,
-                    "sampling": {"max_new_tokens": 8}},
+        "rollout": {
+            "student": str(REPO / "data/models/student"),
+            "prompts": str(REPO / "data/arithmetic/train.parquet"),
+            "n": N,
+            "batch_prompts": 2,
+            "flush_rows": BATCH,
+            "max_buffer_samples": STEPS * BATCH,
+            "sampling": {"max_new_tokens": 8},
+        },
         "annotate": {"teacher": str(REPO / "data/models/teacher"), "top_k": 4},
-        "train": {"max_steps": STEPS, "global_batch_samples": BATCH, "lr": 1e-3, "publish_every": 2,
-                  "save_every": 3, "max_staleness": 2},
+        "train": {
+            "max_steps": STEPS,
+            "global_batch_samples": BATCH,
+            "lr": 1e-3,
+            "publish_every": 2,
+            "save_every": 3,
+            "max_staleness": 2,
+        },
         "run": {"evaluate": False},
     }
     path = tmp_path / "config.yaml"
@@ -45,11 +58,19 @@ def tiny_run_config(tmp_path: Path) -> Path:
 def overshoot(store: Store) -> dict:
     """Samples generated, scored and trained in a finished run, and the two ratios."""
     generated = sum(count_rows(store, s.path) for s in store.list_rollout_shards())
-    scored = sum(count_rows(store, store.annotated_path(shard_id, teacher))
-                 for shard_id, teachers in store.list_annotated_parts().items() for teacher in teachers)
+    scored = sum(
+        count_rows(store, store.annotated_path(shard_id, teacher))
+        for shard_id, teachers in store.list_annotated_parts().items()
+        for teacher in teachers
+    )
     trained = store.read_progress()["trained_samples"]
-    return {"generated": generated, "scored": scored, "trained": trained,
-            "generated_per_trained": generated / trained, "scored_per_trained": scored / trained}
+    return {
+        "generated": generated,
+        "scored": scored,
+        "trained": trained,
+        "generated_per_trained": generated / trained,
+        "scored_per_trained": scored / trained,
+    }
 
 
 def run_tiny(tmp_path: Path) -> dict:
@@ -79,44 +100,54 @@ def test_demand_counts_every_workers_rows_and_ignores_consumed_and_expired_ones(
     publish(local_store, ("v000000-w00-000000", 8), ("v000000-w01-000000", 8))
     gauge = BacklogGauge(local_store)
     assert gauge.backlog() == 16 and gauge.demand is None  # no trainer progress yet: no demand, no pacing
-    local_store.write_progress({"samples_needed_total": 40, "trained_samples": 0, "consumed_samples": 0,
-                                "expired_samples": 0})
+    local_store.write_progress(
+        {"samples_needed_total": 40, "trained_samples": 0, "consumed_samples": 0, "expired_samples": 0}
+    )
     gauge.backlog()
     assert gauge.demand == 40 - 16  # both workers' shards cover 16 of the 40
     # the trainer trained 8 and expired 8 (too stale): 16 rows are gone from the backlog, 32 still needed
-    local_store.write_progress({"samples_needed_total": 40, "trained_samples": 8, "consumed_samples": 8,
-                                "expired_samples": 8})
+    local_store.write_progress(
+        {"samples_needed_total": 40, "trained_samples": 8, "consumed_samples": 8, "expired_samples": 8}
+    )
     gauge.backlog()
     assert gauge.demand == 32
     publish(local_store, ("v000000-w01-000001", 32))
     assert gauge.backlog() == 32 and gauge.demand == 0
-    local_store.write_progress({"samples_needed_total": None, "trained_samples": 8, "consumed_samples": 8,
-                                "expired_samples": 8})
+    local_store.write_progress(
+        {"samples_needed_total": None, "trained_samples": 8, "consumed_samples": 8, "expired_samples": 8}
+    )
     gauge.backlog()
     assert gauge.demand is None  # a token budget per step: the trainer cannot say how many samples it needs
 
     # a damaged shard moved to quarantine/ is never trained: its rows stop counting as coverage
     local_store.quarantine(local_store.rollout_path("v000000-w01-000001"), "damaged")
-    local_store.write_progress({"samples_needed_total": 40, "trained_samples": 8, "consumed_samples": 8,
-                                "expired_samples": 8})
+    local_store.write_progress(
+        {"samples_needed_total": 40, "trained_samples": 8, "consumed_samples": 8, "expired_samples": 8}
+    )
     gauge.backlog()
     assert gauge.demand == 32
 
 
 def test_annotate_scores_only_what_the_remaining_steps_need_and_rescores_a_quarantined_part(
-        local_store, tokenizer, tiny_model_factory):
+    local_store, tokenizer, tiny_model_factory
+):
     from opd_cache.annotate import annotate
     from opd_cache.config import AnnotateConfig
     from opd_cache.tokenizer import tokenizer_fingerprint
 
-    run = local_store.ensure_run(student=str(tiny_model_factory("student", seed=0)),
-                                 tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer))
+    run = local_store.ensure_run(
+        student=str(tiny_model_factory("student", seed=0)),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        vocab_size=len(tokenizer),
+    )
     for seq in range(5):
-        write_random_rollout_shard(local_store, shard_id=f"v000000-w00-{seq:06d}", num_rows=6,
-                                   vocab_size=len(tokenizer), seed=seq, run=run)
+        write_random_rollout_shard(
+            local_store, shard_id=f"v000000-w00-{seq:06d}", num_rows=6, vocab_size=len(tokenizer), seed=seq, run=run
+        )
     # the trainer trained 6 of the 18 its steps need: two more shards of 6 rows cover the rest
-    local_store.write_progress({"samples_needed_total": 18, "trained_samples": 6, "consumed_samples": 6,
-                                "expired_samples": 0})
+    local_store.write_progress(
+        {"samples_needed_total": 18, "trained_samples": 6, "consumed_samples": 6, "expired_samples": 0}
+    )
     cfg = AnnotateConfig(teacher=str(tiny_model_factory("teacher", seed=1)), top_k=4)
     first = annotate(local_store, cfg, progress=False)
     assert len(first.annotated) == 3, first.annotated  # the trained shard's part, and two more
@@ -130,13 +161,14 @@ def test_annotate_scores_only_what_the_remaining_steps_need_and_rescores_a_quara
 
 
 def test_rows_expiring_while_the_trainer_waits_stop_counting_as_coverage_during_the_wait(
-        tmp_path, student_path, tokenizer, teacher):
+    tmp_path, student_path, tokenizer, teacher
+):
     """Without this the run could end in a deadlock: rollout sees its stale rows as coverage, the trainer waits."""
     import threading
     import time
 
     from opd_cache.store import make_shard_id
-    from opd_cache.train.synthetic import write_synthetic_shard
+    from opd_cache.testing import write_synthetic_shard
     from opd_cache.train.trainer import train
     from tests.test_trainer import K, config, make_store
 
@@ -160,8 +192,16 @@ def test_rows_expiring_while_the_trainer_waits_stop_counting_as_coverage_during_
     assert progress["step"] == 1 and progress["samples_needed_total"] == 16 and not store.is_done()
     gauge = BacklogGauge(store)
     assert gauge.backlog() == 0 and gauge.demand == 8  # shard 1's rows are gone: 8 rows still to sample
-    write_synthetic_shard(store, store.require_run(), make_shard_id(1, "w00", 0), num_rows=8, vocab_size=len(tokenizer),
-                          top_k=K, seed=77, teachers={"teacher": teacher})
+    write_synthetic_shard(
+        store,
+        store.require_run(),
+        make_shard_id(1, "w00", 0),
+        num_rows=8,
+        vocab_size=len(tokenizer),
+        top_k=K,
+        seed=77,
+        teachers={"teacher": teacher},
+    )
     trainer.join(timeout=60)
     assert not trainer.is_alive() and not errors, errors
     assert store.is_done() and store.read_progress()["trained_samples"] == 16

@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-
 from opd_cache.schema import read_shard
 from opd_cache.store import Store
 from opd_cache.train.checkpoint import read_ledger
@@ -19,8 +18,18 @@ from tests.test_export import annotated_store, store_hashes  # noqa: F401  (the 
 
 
 def replay(src: list[Store], dst: Path, *extra: str, max_steps: str | None = "100"):
-    args = ["replay", *[a for s in src for a in ("--from", s.uri)], "--store", str(dst), "--global-batch-samples", "4",
-            *(["--max-steps", max_steps] if max_steps else []), "--lr", "1e-3", *extra]
+    args = [
+        "replay",
+        *[a for s in src for a in ("--from", s.uri)],
+        "--store",
+        str(dst),
+        "--global-batch-samples",
+        "4",
+        *(["--max-steps", max_steps] if max_steps else []),
+        "--lr",
+        "1e-3",
+        *extra,
+    ]
     return opd(*args)
 
 
@@ -28,7 +37,7 @@ def sample_ids(store: Store, teacher: str | None = None) -> list[str]:
     """Every annotated sample of `store` (of one teacher's parts, or of all)."""
     ids = []
     for shard in store.list_rollout_shards():
-        for t in ([teacher] if teacher else ["tA", "tB"]):
+        for t in [teacher] if teacher else ["tA", "tB"]:
             ids += read_shard(store, store.annotated_path(shard.shard_id, t))[0]["sample_id"].to_pylist()
     return ids
 
@@ -63,8 +72,18 @@ def test_replay_one_source_one_epoch_trains_every_row_once_and_leaves_the_source
 def test_replay_filtered_two_epochs_killed_and_resumed_is_exactly_once_per_epoch(annotated_store, tmp_path):
     before = store_hashes(annotated_store)
     selected = sorted(sample_ids(annotated_store, "tA"))
-    extra = ("--teacher", "tA", "--epochs", "2", "--seed", "3", "--global-batch-samples", "2", "--set",
-             "train.save_every=2")
+    extra = (
+        "--teacher",
+        "tA",
+        "--epochs",
+        "2",
+        "--seed",
+        "3",
+        "--global-batch-samples",
+        "2",
+        "--set",
+        "train.save_every=2",
+    )
     # uninterrupted: 10 rows in 5 steps of 2
     full = replay([annotated_store], tmp_path / "full", *extra)
     assert full.returncode == 0, full.output
@@ -91,8 +110,9 @@ def test_replay_filtered_two_epochs_killed_and_resumed_is_exactly_once_per_epoch
     # a resume with another selection is refused, naming it
     other = replay([annotated_store], dst, "--teacher", "tB")
     assert other.returncode == 2
-    assert "run.json: replay is {" in other.stderr and "use a new store for a different replay" in \
-        " ".join(other.stderr.split())
+    assert "run.json: replay is {" in other.stderr and "use a new store for a different replay" in " ".join(
+        other.stderr.split()
+    )
 
 
 def test_replay_from_two_stores(annotated_store, tmp_path):
@@ -117,12 +137,15 @@ def test_replay_refusals_are_one_line_and_write_nothing(annotated_store, tmp_pat
     write_rollout(bare, run, "v000000-w00-000000", ["math"], seed=0)
     out = replay([bare], tmp_path / "dst")
     assert out.returncode == 2
-    assert (f"--from {bare.uri}: no annotated shards to replay (1 rollout shards, 0 annotated, none selected by the "
-            f"version range and teachers): run `opd annotate` on it first") in " ".join(out.stderr.split())
+    assert (
+        f"--from {bare.uri}: no annotated shards to replay (1 rollout shards, 0 annotated, none selected by the "
+        f"version range and teachers): run `opd annotate` on it first"
+    ) in " ".join(out.stderr.split())
     out = replay([annotated_store], tmp_path / "dst", "--min-version", "5")
-    assert out.returncode == 2 and ("no annotated shards to replay (3 rollout shards, 3 annotated, none selected by "
-                                    "the version range and teachers): widen --min-version/--max-version/--teacher") \
-        in " ".join(out.stderr.split())
+    assert out.returncode == 2 and (
+        "no annotated shards to replay (3 rollout shards, 3 annotated, none selected by "
+        "the version range and teachers): widen --min-version/--max-version/--teacher"
+    ) in " ".join(out.stderr.split())
     out = replay([annotated_store], tmp_path / "dst", "--teacher", "tC")
     assert out.returncode == 2 and "--teacher tC: " in out.stderr and "has annotations from tA, tB" in out.stderr
     assert not (tmp_path / "dst").exists()
@@ -133,8 +156,9 @@ def test_replay_refusals_are_one_line_and_write_nothing(annotated_store, tmp_pat
     before = store_hashes(Store(other_run))
     out = replay([annotated_store], other_run)
     assert out.returncode == 2
-    assert f"--store {other_run} holds a run that is not a replay ({other_run}/run.json); use a new folder" \
-        in " ".join(out.stderr.split())
+    assert f"--store {other_run} holds a run that is not a replay ({other_run}/run.json); use a new folder" in " ".join(
+        out.stderr.split()
+    )
     assert store_hashes(Store(other_run)) == before
     out = replay([annotated_store], tmp_path / "dst", "--set", "train.support=union")
     assert out.returncode == 2 and "--support union is not available for replay yet" in out.stderr
@@ -150,14 +174,16 @@ def test_replay_sources_with_another_tokenizer_are_refused(annotated_store, tmp_
     (other / "run.json").write_text(json.dumps({**run, "tokenizer_fingerprint": "0123456789abcdef"}))
     out = replay([annotated_store, Store(other)], tmp_path / "dst")
     assert out.returncode == 2
-    assert (f"--from {other}: tokenizer_fingerprint is '0123456789abcdef', but {annotated_store.uri} has "
-            f"{run['tokenizer_fingerprint']!r}; replay sources must share one tokenizer and top-k") \
-        in " ".join(out.stderr.split())
+    assert (
+        f"--from {other}: tokenizer_fingerprint is '0123456789abcdef', but {annotated_store.uri} has "
+        f"{run['tokenizer_fingerprint']!r}; replay sources must share one tokenizer and top-k"
+    ) in " ".join(out.stderr.split())
     assert not (tmp_path / "dst").exists()
 
 
-def test_replay_from_an_s3_store_leaves_its_objects_unchanged(annotated_store, s3_store, s3_endpoint, monkeypatch,
-                                                               tmp_path):
+def test_replay_from_an_s3_store_leaves_its_objects_unchanged(
+    annotated_store, s3_store, s3_endpoint, monkeypatch, tmp_path
+):
     import hashlib
 
     import pyarrow.fs as pafs
@@ -170,8 +196,11 @@ def test_replay_from_an_s3_store_leaves_its_objects_unchanged(annotated_store, s
 
     def objects() -> dict[str, str]:
         infos = s3_store.fs.get_file_info(pafs.FileSelector(s3_store.root, recursive=True))
-        return {i.path: hashlib.sha256(s3_store.fs.open_input_stream(i.path).read()).hexdigest()
-                for i in infos if i.type == pafs.FileType.File}
+        return {
+            i.path: hashlib.sha256(s3_store.fs.open_input_stream(i.path).read()).hexdigest()
+            for i in infos
+            if i.type == pafs.FileType.File
+        }
 
     before = objects()
     out = replay([s3_store], tmp_path / "dst")
@@ -187,18 +216,42 @@ def test_replay_sigkilled_mid_epoch_resumes_exactly_once_per_epoch(annotated_sto
     import sys
     import time
 
-    args = ["--teacher", "tA", "--epochs", "6", "--seed", "1", "--global-batch-samples", "1", "--set",
-            "train.save_every=3"]
+    args = [
+        "--teacher",
+        "tA",
+        "--epochs",
+        "6",
+        "--seed",
+        "1",
+        "--global-batch-samples",
+        "1",
+        "--set",
+        "train.save_every=3",
+    ]
     full = replay([annotated_store], tmp_path / "full", *args)  # 30 steps of one row
     assert full.returncode == 0, full.output
     uninterrupted = ledger_rows(tmp_path / "full")
     assert len(uninterrupted) == 30
 
     dst = tmp_path / "dst"
-    cmd = [sys.executable, "-m", "opd_cache.cli", "replay", "--from", annotated_store.uri, "--store", str(dst),
-           "--max-steps", "100", "--lr", "1e-3", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "opd_cache.cli",
+        "replay",
+        "--from",
+        annotated_store.uri,
+        "--store",
+        str(dst),
+        "--max-steps",
+        "100",
+        "--lr",
+        "1e-3",
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     deadline = time.monotonic() + 120
     while not (dst / "train" / "consumed" / "step-000008.jsonl").exists() and time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read().decode()

@@ -23,12 +23,24 @@ def write_metrics(store: Store, steps: int = 30) -> None:
     train = MetricsLog(store, "train", "0")
     for step in range(1, steps + 1):
         waited = step % 2 == 1  # every other step waits: the raw share alternates between ~0.8 and 0
-        train.log({"step": step, "policy_version": step, "loss": 6.923056125640869 / step, "samples": 64,
-                   "tokens_per_s": 8698.40955338538, "step_time_s": 0.25,
-                   "data_wait_s": 1.0 if waited else 0.0, "staleness": {"1": 48, "2": 16}, "expired_total": 0,
-                   "teacher_mass_support": 0.9990807175636292, "student_mass_support": 0.5 + step / 100,
-                   "teacher_tail_mass": 0.0009192521101795137, "student_tail_mass": 0.5 - step / 100,
-                   "topk_overlap": 0.40427741408348083})
+        train.log(
+            {
+                "step": step,
+                "policy_version": step,
+                "loss": 6.923056125640869 / step,
+                "samples": 64,
+                "tokens_per_s": 8698.40955338538,
+                "step_time_s": 0.25,
+                "data_wait_s": 1.0 if waited else 0.0,
+                "staleness": {"1": 48, "2": 16},
+                "expired_total": 0,
+                "teacher_mass_support": 0.9990807175636292,
+                "student_mass_support": 0.5 + step / 100,
+                "teacher_tail_mass": 0.0009192521101795137,
+                "student_tail_mass": 0.5 - step / 100,
+                "topk_overlap": 0.40427741408348083,
+            }
+        )
     train.flush()
     rollout = MetricsLog(store, "rollout", "w00")
     for i in range(5):
@@ -37,8 +49,11 @@ def write_metrics(store: Store, steps: int = 30) -> None:
     annotate = MetricsLog(store, "annotate", "teacher-0")
     annotate.log({"event": "annotated", "tokens_per_s": 13724.972131147544}, flush=True)
     evals = MetricsLog(store, "eval", "0")
-    for version, strict, kl in ((0, 0.0, 7.246705532073975), (15, 1.0, 0.05526781082153320),
-                                (30, 1.0, 0.005512309074401855)):
+    for version, strict, kl in (
+        (0, 0.0, 7.246705532073975),
+        (15, 1.0, 0.05526781082153320),
+        (30, 1.0, 0.005512309074401855),
+    ):
         evals.log({"version": version, "strict": strict, "lenient": 1.0, "kl": kl}, flush=True)
 
 
@@ -57,8 +72,10 @@ def test_report_rounds_its_numbers_and_writes_beside_the_store_like_the_demo(tmp
     for text in (report, out.stdout):
         assert not LONG_FLOAT.search(text), LONG_FLOAT.search(text)
         assert "distillation loss: 6.923 (first step) → 0.2308 (last step)" in text
-        assert "staleness of trained rows (policy versions behind the trainer): 1 behind: 1,440 rows, " \
-               "2 behind: 480 rows" in text
+        assert (
+            "staleness of trained rows (policy versions behind the trainer): 1 behind: 1,440 rows, "
+            "2 behind: 480 rows" in text
+        )
         assert "rollout 10,961, annotate 13,725, train 8,698" in text
         # 15 of 30 steps waited 1 s on top of a 0.25 s step: 15 / (30 × 0.25 + 15) of the time
         assert "trainer time spent waiting for data: 67%" in text

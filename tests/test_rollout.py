@@ -21,7 +21,8 @@ from opd_cache.cli import app
 from opd_cache.config import RolloutConfig, SamplingConfig
 from opd_cache.metrics import read_metrics
 from opd_cache.models import load_causal_lm
-from opd_cache.rollout import PromptStream, epoch_order, run_rollout
+from opd_cache.rollout import run_rollout
+from opd_cache.rollout.prompt_stream import PromptStream, epoch_order
 from opd_cache.schema import ROLLOUT, read_shard, rollout_schema
 from opd_cache.store import Store
 from opd_cache.tokenizer import tokenizer_fingerprint
@@ -34,8 +35,12 @@ def write_prompts(path: Path, questions: list[str], chat: bool = True) -> Path:
     with open(path, "w") as f:
         for i, q in enumerate(questions):
             if chat:
-                row = {"prompt": [{"role": "user", "content": q}], "data_source": "toy",
-                       "reward_model": {"ground_truth": str(i)}, "extra_info": {"index": i}}
+                row = {
+                    "prompt": [{"role": "user", "content": q}],
+                    "data_source": "toy",
+                    "reward_model": {"ground_truth": str(i)},
+                    "extra_info": {"index": i},
+                }
             else:
                 row = {"question": q, "answer": f"#### {i}"}
             f.write(json.dumps(row) + "\n")
@@ -47,8 +52,14 @@ def questions(count: int) -> list[str]:
 
 
 def config(student, prompts, **overrides) -> RolloutConfig:
-    base = dict(student=str(student), prompts=str(prompts), n=2, sampling=SamplingConfig(max_new_tokens=8),
-                flush_rows=4, poll_seconds=0.05)
+    base = dict(
+        student=str(student),
+        prompts=str(prompts),
+        n=2,
+        sampling=SamplingConfig(max_new_tokens=8),
+        flush_rows=4,
+        poll_seconds=0.05,
+    )
     return RolloutConfig(**{**base, **overrides})
 
 
@@ -74,13 +85,14 @@ def wait_for(condition, timeout: float = 120.0, what: str = "condition"):
 def teacher_forced_logprobs(model, prompt_ids, response_ids) -> np.ndarray:
     ids = torch.tensor([list(prompt_ids) + list(response_ids)])
     with torch.no_grad():
-        logprobs = torch.log_softmax(model(ids).logits[0].float(), -1)[len(prompt_ids) - 1: -1]
+        logprobs = torch.log_softmax(model(ids).logits[0].float(), -1)[len(prompt_ids) - 1 : -1]
     return logprobs.gather(-1, torch.tensor(response_ids, dtype=torch.long)[:, None]).squeeze(-1).numpy()
 
 
 # ---------------------------------------------------------------- shards
-def test_shards_have_the_schema_version_0_n_samples_and_teacher_forced_logprobs(tiny_model_factory, tokenizer,
-                                                                                local_store, tmp_path):
+def test_shards_have_the_schema_version_0_n_samples_and_teacher_forced_logprobs(
+    tiny_model_factory, tokenizer, local_store, tmp_path
+):
     student = tiny_model_factory("student")
     prompts = write_prompts(tmp_path / "p.jsonl", questions(6))
     result = run_rollout(config(student, prompts, n=3, flush_rows=6, max_samples=18), local_store)
@@ -94,10 +106,12 @@ def test_shards_have_the_schema_version_0_n_samples_and_teacher_forced_logprobs(
 
     model = load_causal_lm(student)
     order = epoch_order(6, 0, "w00", 0)
-    templated = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                               tokenize=False) for q in questions(6)]
+    templated = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in questions(6)
+    ]
     seen = []
-    for info, table, meta in shards:
+    for _info, table, meta in shards:
         assert table.schema.remove_metadata() == rollout_schema(0)
         assert meta.policy_version == 0 and set(table["policy_version"].to_pylist()) == {0}
         rows = table.to_pylist()
@@ -107,13 +121,16 @@ def test_shards_have_the_schema_version_0_n_samples_and_teacher_forced_logprobs(
             assert row["prompt_ids"] == tokenizer(templated[p], add_special_tokens=False)["input_ids"]
             assert row["data_source"] == "toy" and row["ground_truth"] == str(p)
             assert json.loads(row["extra"]) == {"index": p}
-            np.testing.assert_allclose(row["behavior_logprobs"],
-                                       teacher_forced_logprobs(model, row["prompt_ids"], row["response_ids"]),
-                                       atol=1e-4, rtol=0)
+            np.testing.assert_allclose(
+                row["behavior_logprobs"],
+                teacher_forced_logprobs(model, row["prompt_ids"], row["response_ids"]),
+                atol=1e-4,
+                rtol=0,
+            )
         # n samples per prompt, sample_index 0..n-1, whole prompts per shard
         for k in range(0, len(rows), 3):
-            assert {r["prompt_index"] for r in rows[k: k + 3]} == {rows[k]["prompt_index"]}
-            assert [r["sample_index"] for r in rows[k: k + 3]] == [0, 1, 2]
+            assert {r["prompt_index"] for r in rows[k : k + 3]} == {rows[k]["prompt_index"]}
+            assert [r["sample_index"] for r in rows[k : k + 3]] == [0, 1, 2]
         seen += [r["prompt_index"] for r in rows[::3]]
     assert seen == order.tolist()  # the seeded order: every prompt once in the epoch
     sample_ids = [sid for s in shards for sid in s[1]["sample_id"].to_pylist()]
@@ -131,7 +148,7 @@ def test_student_topk_is_recorded_and_adopted_from_the_run(tiny_model_factory, t
     assert local_store.require_run()["student_topk"] == 3
     # a second worker that does not ask for it follows the run's setting
     run_rollout(config(student, prompts, worker_id="w01", max_samples=4), local_store)
-    for info, table, meta in shards_of(local_store):
+    for _info, table, meta in shards_of(local_store):
         assert meta.student_topk == 3 and table.schema.field("student_topk_ids").type.value_type.list_size == 3
         lengths = [len(r) for r in table["response_ids"].to_pylist()]
         assert [len(t) for t in table["student_topk_ids"].to_pylist()] == lengths
@@ -139,8 +156,9 @@ def test_student_topk_is_recorded_and_adopted_from_the_run(tiny_model_factory, t
 
 def test_flush_seconds_publishes_partial_shards(tiny_model_factory, local_store, tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", questions(8))
-    cfg = config(tiny_model_factory("student"), prompts, flush_rows=1000, flush_seconds=1e-3, batch_prompts=2,
-                 max_samples=8)
+    cfg = config(
+        tiny_model_factory("student"), prompts, flush_rows=1000, flush_seconds=1e-3, batch_prompts=2, max_samples=8
+    )
     result = run_rollout(cfg, local_store)
     assert [t.num_rows for _, t, _ in shards_of(local_store)] == [4, 4] and result.samples == 8
 
@@ -151,8 +169,7 @@ def test_one_pass_by_default_then_later_epochs_cycle_in_a_new_order(tiny_model_f
     first = run_rollout(config(student, prompts, sampling=SamplingConfig(max_new_tokens=2)), local_store)
     assert first.cursor == 5 and first.samples == 10  # no limit given: one pass over the prompts
     assert run_rollout(config(student, prompts), local_store).samples == 0  # the pass is done
-    more = run_rollout(config(student, prompts, sampling=SamplingConfig(max_new_tokens=2), max_samples=24),
-                       local_store)
+    more = run_rollout(config(student, prompts, sampling=SamplingConfig(max_new_tokens=2), max_samples=24), local_store)
     assert more.cursor == 12 and more.samples == 14
     indices = [i for _, t, _ in shards_of(local_store) for i in t["prompt_index"].to_pylist()[::2]]
     expected = np.concatenate([epoch_order(5, 0, "w00", 0), epoch_order(5, 0, "w00", 1), epoch_order(5, 0, "w00", 2)])
@@ -165,8 +182,11 @@ def test_restart_with_another_seed_is_refused(tiny_model_factory, local_store, t
     prompts = write_prompts(tmp_path / "p.jsonl", questions(4))
     run_rollout(config(student, prompts, max_samples=4), local_store)
     before = sorted(p.name for p in (Path(local_store.root) / "rollouts").iterdir())
-    with pytest.raises(ValueError, match=r"worker w00 was sampling with seed 0 over 4 prompts, this command has seed "
-                                         r"1 over 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"worker w00 was sampling with seed 0 over 4 prompts, this command has seed "
+        r"1 over 4",
+    ):
         run_rollout(config(student, prompts, max_samples=8, seed=1), local_store)
     assert sorted(p.name for p in (Path(local_store.root) / "rollouts").iterdir()) == before
 
@@ -224,7 +244,7 @@ def test_follow_flushes_on_stop_and_ends_at_the_done_marker(tiny_model_factory, 
     stop.set()  # what SIGINT/SIGTERM do in the CLI
     worker.join(timeout=120)
     assert not worker.is_alive()
-    (info, table, meta), = shards_of(local_store)
+    ((info, table, meta),) = shards_of(local_store)
     assert table.num_rows == result["r"].samples > 0 and table.num_rows % 2 == 0
     metadata = read_shard(local_store, info.path)[0].schema.metadata
     assert metadata[b"opd.rollout.cursor"] == str(table.num_rows // 2).encode()
@@ -236,9 +256,28 @@ def test_follow_flushes_on_stop_and_ends_at_the_done_marker(tiny_model_factory, 
 
 # ---------------------------------------------------------------- the CLI, SIGKILL and resume
 def rollout_args(store, student, prompts, *extra) -> list[str]:
-    return ["rollout", "--store", str(store), "--student", str(student), "--prompts", str(prompts), "--n", "2",
-            "--max-new-tokens", "12", "--flush-rows", "4", "--max-samples", "80", "--seed", "3",
-            "--set", "rollout.batch_prompts=2", *extra]
+    return [
+        "rollout",
+        "--store",
+        str(store),
+        "--student",
+        str(student),
+        "--prompts",
+        str(prompts),
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--flush-rows",
+        "4",
+        "--max-samples",
+        "80",
+        "--seed",
+        "3",
+        "--set",
+        "rollout.batch_prompts=2",
+        *extra,
+    ]
 
 
 def test_sigkilled_worker_resumes_with_no_repeat_and_no_gap(tiny_model_factory, tmp_path):
@@ -247,8 +286,13 @@ def test_sigkilled_worker_resumes_with_no_repeat_and_no_gap(tiny_model_factory, 
     store_dir = tmp_path / "store"
     args = rollout_args(store_dir, student, prompts)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "opd_cache.cli", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "opd_cache.cli", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     store = Store(store_dir)
     try:
         wait_for(lambda: len(store.list_rollout_shards()) >= 1 or proc.poll() is not None, what="the first shard")
@@ -279,8 +323,11 @@ def test_sigkilled_worker_resumes_with_no_repeat_and_no_gap(tiny_model_factory, 
 
 # ---------------------------------------------------------------- bad input: one-line error, nothing written
 def snapshot(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()} \
-        if root.exists() else {}
+    return (
+        {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+        if root.exists()
+        else {}
+    )
 
 
 def no_template_student(tiny_model_factory, tmp_path) -> Path:
@@ -288,13 +335,15 @@ def no_template_student(tiny_model_factory, tmp_path) -> Path:
     shutil.copytree(tiny_model_factory("student"), path)
     (path / "chat_template.jinja").unlink(missing_ok=True)
     config_file = path / "tokenizer_config.json"
-    config_file.write_text(json.dumps({k: v for k, v in json.loads(config_file.read_text()).items()
-                                       if k != "chat_template"}))
+    config_file.write_text(
+        json.dumps({k: v for k, v in json.loads(config_file.read_text()).items() if k != "chat_template"})
+    )
     return path
 
 
-@pytest.mark.parametrize("case", ["empty", "too_long", "missing_column", "no_chat_template", "other_tokenizer",
-                                  "other_student"])
+@pytest.mark.parametrize(
+    "case", ["empty", "too_long", "missing_column", "no_chat_template", "other_tokenizer", "other_student"]
+)
 def test_bad_input_is_a_one_line_error_and_writes_nothing(case, tiny_model_factory, tmp_path):
     student = tiny_model_factory("student")
     store = Store(tmp_path / "store")
@@ -333,9 +382,23 @@ def test_truncate_prompts_skips_and_counts_over_long_prompts(tiny_model_factory,
     student = tiny_model_factory("student")
     prompts = write_prompts(tmp_path / "p.jsonl", ["What is 1 + 1?", "x" * 50, "Hi"], chat=False)
     store = Store(tmp_path / "store")
-    result = CliRunner().invoke(app, ["rollout", "--store", str(store.root), "--student", str(student), "--prompts",
-                                      str(prompts), "--max-prompt-tokens", "30", "--truncate-prompts",
-                                      "--max-new-tokens", "4"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "rollout",
+            "--store",
+            str(store.root),
+            "--student",
+            str(student),
+            "--prompts",
+            str(prompts),
+            "--max-prompt-tokens",
+            "30",
+            "--truncate-prompts",
+            "--max-new-tokens",
+            "4",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "skipped 1 prompts over 30 tokens" in result.output
     indices = {i for _, t, _ in shards_of(store) for i in t["prompt_index"].to_pylist()}

@@ -6,9 +6,9 @@ without a terminal the run prints plain progress lines and the stage logs fill w
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +27,15 @@ STEPS, BATCH = 4, 16
 def tiny_config(tmp_path: Path) -> Path:
     config = {
         "store": {"uri": str(tmp_path / "store")},
-        "rollout": {"student": str(REPO / "data/models/student"), "prompts": str(REPO / "data/arithmetic/train.parquet"),
-                    "n": 4, "batch_prompts": 4, "flush_rows": BATCH, "max_buffer_samples": 3 * BATCH,
-                    "sampling": {"max_new_tokens": 10}},
+        "rollout": {
+            "student": str(REPO / "data/models/student"),
+            "prompts": str(REPO / "data/arithmetic/train.parquet"),
+            "n": 4,
+            "batch_prompts": 4,
+            "flush_rows": BATCH,
+            "max_buffer_samples": 3 * BATCH,
+            "sampling": {"max_new_tokens": 10},
+        },
         "annotate": {"teacher": str(REPO / "data/models/teacher"), "top_k": 8},
         "train": {"max_steps": STEPS, "global_batch_samples": BATCH, "lr": 1e-3, "publish_every": 2, "save_every": 2},
         "eval": {"prompts": str(REPO / "data/arithmetic/test.parquet"), "max_prompts": 16, "max_new_tokens": 10},
@@ -127,17 +133,24 @@ def test_run_without_a_terminal_prints_progress_lines_and_fills_the_stage_logs_a
     assert "\x1b[" not in out.stdout
     assert re.search(r"^opd run: step \d+/4 \| \d+ samples", out.stdout_before_done, re.M), out.stdout_before_done
     last = out.stdout.strip().splitlines()[-1]
-    assert re.fullmatch(r"opd run: step 4/4 \| 64 samples \| loss \d+\.\d{4} \| eval v2: strict \d\.\d\d, "
-                        r"lenient \d\.\d\d, KL \d+\.\d{4} \| elapsed \d+:\d\d, ETA 0:00", last), last
+    assert re.fullmatch(
+        r"opd run: step 4/4 \| 64 samples \| loss \d+\.\d{4} \| eval v2: strict \d\.\d\d, "
+        r"lenient \d\.\d\d, KL \d+\.\d{4} \| elapsed \d+:\d\d, ETA 0:00",
+        last,
+    ), last
     # each stage's log shows its progress while the run is going, not only a summary at exit
     logs = out.logs_before_done
     assert re.search(r"^rollout w00: \d+ samples, \d+ tok/s, policy v\d+, backlog \d+", logs["rollout-w00"], re.M), logs
-    assert re.search(r"^annotate teacher: \d+ shards, \d+ rows, [\d,]+ tok/s, \d+ pending",
-                     logs["annotate-teacher-0"], re.M), logs
+    assert re.search(
+        r"^annotate teacher: \d+ shards, \d+ rows, [\d,]+ tok/s, \d+ pending", logs["annotate-teacher-0"], re.M
+    ), logs
     assert re.search(r"^step +\d/4 v\d loss", logs["train"], re.M), logs
     assert out.eval_v0_before_last, "the evaluator's log showed v0 only once the run had ended"
-    assert re.search(r"^eval v0: strict 0\.\d{3}, lenient \d\.\d{3}, KL \d+\.\d{4} on 16 prompts",
-                     (tmp / "logs" / "eval.log").read_text(), re.M)
+    assert re.search(
+        r"^eval v0: strict 0\.\d{3}, lenient \d\.\d{3}, KL \d+\.\d{4} on 16 prompts",
+        (tmp / "logs" / "eval.log").read_text(),
+        re.M,
+    )
 
 
 def test_sync_trains_on_as_many_samples_as_async_and_never_stale(async_run, sync_run):
@@ -153,6 +166,7 @@ def test_sync_trains_on_as_many_samples_as_async_and_never_stale(async_run, sync
 
 # --- the supervisor alone, with stand-in stage processes -------------------------------------------------
 
+
 def supervise_fakes(tmp_path: Path, monkeypatch, codes: dict[str, str], max_restarts: int = 0) -> int:
     """`supervise` with stand-in stages: each named stage runs its Python snippet instead of the real command."""
     from opd_cache import run as run_module
@@ -163,7 +177,9 @@ def supervise_fakes(tmp_path: Path, monkeypatch, codes: dict[str, str], max_rest
     store_dir.mkdir()
     (store_dir / "run.json").write_text("{}")  # the non-rollout stages start once run.json exists
     cfg = load_config(tiny_config(tmp_path), overrides={"run.max_restarts": max_restarts, "run.drain_seconds": 30})
-    stages = [StageProcess(name, [sys.executable, "-c", code], tmp_path / f"{name}.log") for name, code in codes.items()]
+    stages = [
+        StageProcess(name, [sys.executable, "-c", code], tmp_path / f"{name}.log") for name, code in codes.items()
+    ]
     monkeypatch.setattr(run_module, "stage_commands", lambda cfg, config_path, logs: stages)
     return run_module.supervise(cfg, tmp_path / "config.yaml", tmp_path / "logs", quiet=True)
 
@@ -173,26 +189,36 @@ def test_supervisor_fails_when_the_evaluator_fails_after_training_finished(tmp_p
     # rollout stops a second later. The run fails, and ends as soon as the last stage has exited (not after
     # the 30 s drain deadline).
     start = time.monotonic()
-    status = supervise_fakes(tmp_path, monkeypatch, {
-        "rollout-w00": "import time; time.sleep(3)",
-        "train": "pass",
-        "eval": "import sys, time; time.sleep(2); sys.exit(3)"})
+    status = supervise_fakes(
+        tmp_path,
+        monkeypatch,
+        {
+            "rollout-w00": "import time; time.sleep(3)",
+            "train": "pass",
+            "eval": "import sys, time; time.sleep(2); sys.exit(3)",
+        },
+    )
     assert status == 1
     assert "eval exited with status 3 1 time(s)" in capsys.readouterr().err
     assert time.monotonic() - start < 15
 
 
 def test_supervisor_succeeds_when_every_stage_exits_0(tmp_path, monkeypatch, capsys):
-    status = supervise_fakes(tmp_path, monkeypatch, {"train": "import time; time.sleep(1)",
-                                                     "eval": "import time; time.sleep(2)"})
+    status = supervise_fakes(
+        tmp_path, monkeypatch, {"train": "import time; time.sleep(1)", "eval": "import time; time.sleep(2)"}
+    )
     assert status == 0
     assert capsys.readouterr().err == ""
 
 
 def test_supervisor_restarts_a_crashed_stage_then_gives_up(tmp_path, monkeypatch, capsys):
     # The trainer always crashes: started, restarted once after back-off (max_restarts 1), then failed for good.
-    status = supervise_fakes(tmp_path, monkeypatch, {"train": "import sys; sys.exit(7)",
-                                                     "eval": "import time; time.sleep(60)"}, max_restarts=1)
+    status = supervise_fakes(
+        tmp_path,
+        monkeypatch,
+        {"train": "import sys; sys.exit(7)", "eval": "import time; time.sleep(60)"},
+        max_restarts=1,
+    )
     assert status == 1
     assert "train exited with status 7 2 time(s)" in capsys.readouterr().err
 
@@ -222,9 +248,12 @@ def test_dashboard_says_starting_shows_steps_elapsed_eta_and_no_raw_dicts(async_
     assert re.search(rf"elapsed \d+:\d\d, ETA {re.escape(duration(eta))}", rows["train"]), rows["train"]
     assert not re.search(r"[{}']", console.export_text()), "no raw Python dicts or reprs"
     line = progress_line(store, 8, started, [never_started, crashed, done])
-    assert re.fullmatch(rf"opd run: step 4/8 \| 64 samples \| loss \d+\.\d{{4}} \| eval v2: strict \d\.\d\d, lenient "
-                        rf"\d\.\d\d, KL \d+\.\d{{4}} \| rollout-w00 restarted 1× \| elapsed \d+:\d\d, "
-                        rf"ETA {re.escape(duration(eta))}", line), line
+    assert re.fullmatch(
+        rf"opd run: step 4/8 \| 64 samples \| loss \d+\.\d{{4}} \| eval v2: strict \d\.\d\d, lenient "
+        rf"\d\.\d\d, KL \d+\.\d{{4}} \| rollout-w00 restarted 1× \| elapsed \d+:\d\d, "
+        rf"ETA {re.escape(duration(eta))}",
+        line,
+    ), line
 
 
 def test_staleness_reads_as_lag_colon_rows():

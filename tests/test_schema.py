@@ -31,16 +31,26 @@ def annotated_part(rollout: pa.Table, k: int = 4, dtype: str = "float32", suppor
     total = int(lengths.sum())
     logprobs = np.sort(np.log(rng.dirichlet(np.ones(k + 2), size=total))[:, :k], axis=1)[:, ::-1]
     return annotated_table(
-        sample_ids=rollout["sample_id"].to_pylist(), lengths=lengths,
-        topk_ids=rng.integers(0, 32, size=(total, k)), topk_logprobs=logprobs,
-        token_logprob=-rng.random(total), logprob_dtype=dtype,
+        sample_ids=rollout["sample_id"].to_pylist(),
+        lengths=lengths,
+        topk_ids=rng.integers(0, 32, size=(total, k)),
+        topk_logprobs=logprobs,
+        token_logprob=-rng.random(total),
+        logprob_dtype=dtype,
         support_logprobs=-rng.random((total, support_k)) if support_k else None,
     )
 
 
 def annotated_meta(run, k=4):
-    return ShardMeta(kind=ANNOTATED, run_id=run["run_id"], tokenizer_fingerprint=run["tokenizer_fingerprint"],
-                     shard_id=SHARD, policy_version=2, top_k=k, teacher="teacher")
+    return ShardMeta(
+        kind=ANNOTATED,
+        run_id=run["run_id"],
+        tokenizer_fingerprint=run["tokenizer_fingerprint"],
+        shard_id=SHARD,
+        policy_version=2,
+        top_k=k,
+        teacher="teacher",
+    )
 
 
 @pytest.fixture
@@ -75,8 +85,12 @@ def test_datasets_and_pyarrow_read_shards_without_this_package(store):
     import datasets
 
     rollout = write_random_rollout_shard(store, shard_id=SHARD, num_rows=5)
-    write_shard(store, store.annotated_path(SHARD, "teacher"), annotated_part(rollout, dtype="float16"),
-                annotated_meta(store.read_run()))
+    write_shard(
+        store,
+        store.annotated_path(SHARD, "teacher"),
+        annotated_part(rollout, dtype="float16"),
+        annotated_meta(store.read_run()),
+    )
     ds = datasets.Dataset.from_file(str(store.local_path(store.rollout_path(SHARD))))
     assert ds["sample_id"] == rollout["sample_id"].to_pylist()
     assert ds[0]["response_ids"] == rollout["response_ids"][0].as_py()
@@ -103,10 +117,17 @@ def test_foreign_file_is_rejected(store):
 
 def test_wrong_schema_version_and_other_run_are_rejected(store):
     rollout = write_random_rollout_shard(store, shard_id=SHARD)
-    meta = ShardMeta(kind=ROLLOUT, run_id="other", tokenizer_fingerprint="fp-test", shard_id=SHARD, policy_version=2,
-                     schema_version=99)
+    meta = ShardMeta(
+        kind=ROLLOUT,
+        run_id="other",
+        tokenizer_fingerprint="fp-test",
+        shard_id=SHARD,
+        policy_version=2,
+        schema_version=99,
+    )
     write = lambda out: pa.ipc.new_stream(out, rollout.schema.with_metadata(meta.to_metadata())).write_table(
-        rollout.replace_schema_metadata(meta.to_metadata()))
+        rollout.replace_schema_metadata(meta.to_metadata())
+    )
     store.write_atomic("rollouts/v000009-w00-000000.arrow", write)
     with pytest.raises(ShardError, match=r"schema version 99, this opd_cache reads version 1"):
         read_shard(store, "rollouts/v000009-w00-000000.arrow")
@@ -120,11 +141,20 @@ def test_wrong_schema_version_and_other_run_are_rejected(store):
 
 def test_inconsistent_per_token_lengths_are_rejected(store):
     run = store.ensure_run(student="s", tokenizer_fingerprint="fp")
-    table = rollout_table(sample_ids=["a", "b"], prompt_index=[0, 1], sample_index=[0, 0], prompt_ids=[[1], [2]],
-                          response_ids=[[3, 4], [5]], behavior_logprobs=[[-1.0, -1.0], [-1.0, -2.0]],
-                          policy_version=0, finish_reason=["stop", "stop"])
+    table = rollout_table(
+        sample_ids=["a", "b"],
+        prompt_index=[0, 1],
+        sample_index=[0, 0],
+        prompt_ids=[[1], [2]],
+        response_ids=[[3, 4], [5]],
+        behavior_logprobs=[[-1.0, -1.0], [-1.0, -2.0]],
+        policy_version=0,
+        finish_reason=["stop", "stop"],
+    )
     meta = ShardMeta(kind=ROLLOUT, run_id=run["run_id"], tokenizer_fingerprint="fp", shard_id=SHARD, policy_version=0)
-    with pytest.raises(ShardError, match=r"row 1 \(sample 'b'\) has 2 entries in 'behavior_logprobs' but 1 in 'response_ids'"):
+    with pytest.raises(
+        ShardError, match=r"row 1 \(sample 'b'\) has 2 entries in 'behavior_logprobs' but 1 in 'response_ids'"
+    ):
         write_shard(store, store.rollout_path(SHARD), table, meta)
     assert not store.exists(store.rollout_path(SHARD)), "nothing may be written for an invalid table"
 
@@ -132,12 +162,22 @@ def test_inconsistent_per_token_lengths_are_rejected(store):
 def test_empty_prompt_and_wrong_column_type_are_rejected(store):
     run = store.ensure_run(student="s", tokenizer_fingerprint="fp")
     meta = ShardMeta(kind=ROLLOUT, run_id=run["run_id"], tokenizer_fingerprint="fp", shard_id=SHARD, policy_version=0)
-    table = rollout_table(sample_ids=["a"], prompt_index=[0], sample_index=[0], prompt_ids=[[]], response_ids=[[3]],
-                          behavior_logprobs=[[-1.0]], policy_version=0, finish_reason=["stop"])
+    table = rollout_table(
+        sample_ids=["a"],
+        prompt_index=[0],
+        sample_index=[0],
+        prompt_ids=[[]],
+        response_ids=[[3]],
+        behavior_logprobs=[[-1.0]],
+        policy_version=0,
+        finish_reason=["stop"],
+    )
     with pytest.raises(ShardError, match=r"row 0 has an empty prompt"):
         write_shard(store, store.rollout_path(SHARD), table, meta)
     bad = table.set_column(4, "response_ids", pa.array([[3]], pa.list_(pa.int64())))
-    with pytest.raises(ShardError, match=r"column 'response_ids' has type list<item: int64>, expected list<item: int32>"):
+    with pytest.raises(
+        ShardError, match=r"column 'response_ids' has type list<item: int64>, expected list<item: int32>"
+    ):
         write_shard(store, store.rollout_path(SHARD), bad, meta)
 
 

@@ -102,7 +102,8 @@ def test_quarantine_moves_file_with_reason(store):
     assert not store.exists("rollouts/v000000/v000000-w00-000000.arrow")
     assert store.exists(dest)
     assert store.list_quarantine() == {
-        "rollouts__v000000__v000000-w00-000000.arrow": "rollouts/v000000/v000000-w00-000000.arrow: truncated"}
+        "rollouts__v000000__v000000-w00-000000.arrow": "rollouts/v000000/v000000-w00-000000.arrow: truncated"
+    }
     assert store.list_rollout_shards() == []
 
 
@@ -153,8 +154,13 @@ def test_sigkill_mid_write_leaves_no_visible_file(backend, tmp_path, request):
         endpoint = request.getfixturevalue("s3_endpoint")
         store = request.getfixturevalue("s3_store")
         uri = store.uri
-        env = {**os.environ, "OPD_S3_ENDPOINT": endpoint, "AWS_ACCESS_KEY_ID": "test",
-               "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+        env = {
+            **os.environ,
+            "OPD_S3_ENDPOINT": endpoint,
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
     proc = subprocess.Popen([sys.executable, "-c", WRITER, uri], stdout=subprocess.PIPE, env=env)
     assert proc.stdout.readline().strip() == b"writing"
     time.sleep(1.0)  # let it write many MB (local) / start a multipart upload (s3)
@@ -181,9 +187,12 @@ def test_stale_tmp_files_of_killed_writers_are_swept_fresh_ones_kept(tmp_path):
     write_random_rollout_shard(store, shard_id="v000000-w00-000000")
     root = tmp_path / "store"
     # what killed writers leave: a shard file, an annotated part, a policy folder, a resume-state folder
-    old = [root / "rollouts/v000000/v000000-w00-000001.arrow.tmp-0a1b2c",
-           root / "annotated/v000000/v000000-w00-000000/t.arrow.tmp-3d4e",
-           root / "policy/v000002.tmp-5f6a", root / "train/state/step-000010.tmp-save"]
+    old = [
+        root / "rollouts/v000000/v000000-w00-000001.arrow.tmp-0a1b2c",
+        root / "annotated/v000000/v000000-w00-000000/t.arrow.tmp-3d4e",
+        root / "policy/v000002.tmp-5f6a",
+        root / "train/state/step-000010.tmp-save",
+    ]
     fresh = root / "rollouts/v000000/v000000-w00-000002.arrow.tmp-7b8c"  # a writer still at work
     for path in old[:2] + [fresh]:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -220,23 +220,32 @@ def test_load_prompts_datasets_folders(tmp_path, tokenizer):
 # ---------------------------------------------------------------- load_prompts: errors
 def test_empty_prompt_is_refused(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "e.jsonl", [{"question": "What is 1 + 1?"}, {"question": "  "}])
-    with pytest.raises(ValueError, match=rf"prompts file {path}: row 1: prompt is empty \(no text in column 'question'\)"):
+    with pytest.raises(
+        ValueError, match=rf"prompts file {path}: row 1: prompt is empty \(no text in column 'question'\)"
+    ):
         load_prompts(path, tokenizer)
 
 
 def test_prompt_with_zero_tokens_after_template_is_refused(tmp_path, tokenizer_path):
     tokenizer = load_tokenizer(tokenizer_path)
-    tokenizer.chat_template = "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    )
     path = write_jsonl(tmp_path / "z.jsonl", [{"question": "What is 1 + 1?"}])
-    with pytest.raises(ValueError, match=rf"prompts file {path}: row 0: prompt is empty \(0 tokens after the chat template\)"):
+    with pytest.raises(
+        ValueError, match=rf"prompts file {path}: row 0: prompt is empty \(0 tokens after the chat template\)"
+    ):
         load_prompts(path, tokenizer)
 
 
 def test_too_long_prompts_are_refused_or_skipped_and_counted(tmp_path, tokenizer, caplog):
     rows = [{"question": "short"}, {"question": "x" * 40}, {"question": "tiny"}, {"question": "y" * 50}]
     path = write_jsonl(tmp_path / "long.jsonl", rows)
-    with pytest.raises(ValueError, match=rf"prompts file {path}: row 1: prompt has 41 tokens, more than "
-                                         r"max_prompt_tokens=20 \(2 rows are too long; truncate=True"):
+    with pytest.raises(
+        ValueError,
+        match=rf"prompts file {path}: row 1: prompt has 41 tokens, more than "
+        r"max_prompt_tokens=20 \(2 rows are too long; truncate=True",
+    ):
         load_prompts(path, tokenizer, max_prompt_tokens=20)
     with caplog.at_level(logging.WARNING, logger="opd_cache.tasks.prompts"):
         prompts = load_prompts(path, tokenizer, max_prompt_tokens=20, truncate=True)
@@ -250,8 +259,11 @@ def test_too_long_prompts_are_refused_or_skipped_and_counted(tmp_path, tokenizer
 
 def test_missing_columns_are_named(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "m.jsonl", [{"query": "What?", "label": "1"}])
-    with pytest.raises(ValueError, match=rf"prompts file {path}: missing column 'prompt' \(verl chat messages\) or "
-                                         r"'question' \(plain text\); found columns: query, label"):
+    with pytest.raises(
+        ValueError,
+        match=rf"prompts file {path}: missing column 'prompt' \(verl chat messages\) or "
+        r"'question' \(plain text\); found columns: query, label",
+    ):
         load_prompts(path, tokenizer)
     with pytest.raises(ValueError, match=r"prompt_key 'text' is not a column; found columns: query, label"):
         load_prompts(path, tokenizer, prompt_key="text")
@@ -289,8 +301,11 @@ def test_chat_data_needs_a_chat_template(tokenizer_path):
     tokenizer = load_tokenizer(tokenizer_path)
     tokenizer.chat_template = None
     path = DATA / "arithmetic" / "test.parquet"
-    with pytest.raises(ValueError, match=rf"prompts file {path}: column 'prompt' holds chat messages but tokenizer "
-                                         r".* has no chat template"):
+    with pytest.raises(
+        ValueError,
+        match=rf"prompts file {path}: column 'prompt' holds chat messages but tokenizer "
+        r".* has no chat template",
+    ):
         load_prompts(path, tokenizer)
 
 

@@ -113,7 +113,9 @@ def test_first_vocab_difference_names_the_first_differing_id(tmp_path, tokenizer
 
     bigger = load_tokenizer(tokenizer_path)
     bigger.add_tokens(["<extra>"], special_tokens=True)
-    assert first_vocab_difference(tokenizer, bigger, "X", "Y") == f"id {len(tokenizer)} is absent in X but '<extra>' in Y"
+    assert (
+        first_vocab_difference(tokenizer, bigger, "X", "Y") == f"id {len(tokenizer)} is absent in X but '<extra>' in Y"
+    )
 
     eos = load_tokenizer(tokenizer_path)
     eos.eos_token = "<unk>"
@@ -124,12 +126,20 @@ def test_check_compatible(tmp_path, tokenizer_path, tokenizer):
     same = load_tokenizer(tokenizer_path)
     check_compatible(tokenizer, same, teacher_vocab_size=len(tokenizer), student_name="S", teacher_name="T")
     # An embedding padded beyond the tokenizer is fine.
-    check_compatible(tokenizer, same, teacher_vocab_size=128, student_name="S", teacher_name="T", student_vocab_size=256)
+    check_compatible(
+        tokenizer, same, teacher_vocab_size=128, student_name="S", teacher_name="T", student_vocab_size=256
+    )
 
-    with pytest.raises(ValueError, match=r"teacher T: the tokenizer has 99 tokens but the model's embedding has only 64 rows"):
+    with pytest.raises(
+        ValueError, match=r"teacher T: the tokenizer has 99 tokens but the model's embedding has only 64 rows"
+    ):
         check_compatible(tokenizer, same, teacher_vocab_size=64, student_name="S", teacher_name="T")
-    with pytest.raises(ValueError, match=r"student S: the tokenizer has 99 tokens but the model's embedding has only 90"):
-        check_compatible(tokenizer, same, teacher_vocab_size=99, student_name="S", teacher_name="T", student_vocab_size=90)
+    with pytest.raises(
+        ValueError, match=r"student S: the tokenizer has 99 tokens but the model's embedding has only 90"
+    ):
+        check_compatible(
+            tokenizer, same, teacher_vocab_size=99, student_name="S", teacher_name="T", student_vocab_size=90
+        )
 
     def swap(spec):
         vocab = spec["model"]["vocab"]
@@ -190,7 +200,9 @@ def test_save_load_round_trip(arch, tmp_path, tokenizer):
     # character tokenizer (AutoTokenizer may pick the model type's own tokenizer class instead).
     reloaded = load_tokenizer(tmp_path / "ckpt")
     text = "What is 37 + 48?\n #### 85"
-    assert reloaded(text, add_special_tokens=False)["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert (
+        reloaded(text, add_special_tokens=False)["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    )
     assert tokenizer_fingerprint(reloaded) == tokenizer_fingerprint(tokenizer)
     assert reloaded.chat_template == tokenizer.chat_template and reloaded.padding_side == "left"
 
@@ -206,9 +218,15 @@ def test_load_causal_lm_refuses_a_folder_without_safetensors(tmp_path):
 def greedy_scores(model_dir: Path, prompts, limit: int) -> dict[str, float]:
     model, tokenizer = load_causal_lm(model_dir), load_tokenizer(model_dir)
     ids = torch.tensor(prompts.prompt_ids[:limit])  # every arithmetic prompt has the same length
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    texts = tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=10,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
     scores = [score(text, truth) for text, truth in zip(texts, prompts.ground_truth[:limit])]
     return {key: sum(s[key] for s in scores) / limit for key in ("strict", "lenient")}
 

@@ -38,8 +38,9 @@ def trained_store(tmp_path_factory, tiny_model_factory, tokenizer):
         env.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
         env.setenv("WANDB_SILENT", "true")
         teacher = build_tiny_model(vocab_size=len(tokenizer), seed=1, tie_word_embeddings=False)
-        store = make_store(tmp_path / "store", tiny_model_factory("student", seed=0), tokenizer, teacher, shards=2,
-                           rows=16)
+        store = make_store(
+            tmp_path / "store", tiny_model_factory("student", seed=0), tokenizer, teacher, shards=2, rows=16
+        )
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # shared cores: torch's thread pool makes tiny models slower, not faster
         try:
@@ -69,15 +70,16 @@ def wandb_history(wandb_dir: Path, run_name: str) -> list[dict]:
         if length == 0 and kind == 0:
             pos += left
             continue
-        pending += data[pos + header.size: pos + header.size + length]
+        pending += data[pos + header.size : pos + header.size + length]
         pos += header.size + length
         if kind in (1, 4):  # a whole record
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             pending = b""
             if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
+                rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
     return rows
 
 
@@ -95,24 +97,47 @@ def test_trainer_metrics_reach_wandb_offline_and_tensorboard(trained_store):
     for r in records:
         trained += r["samples"]
         row = history[r["step"]]
-        for key in ("loss", "tokens_per_s", "samples", "lr", "grad_norm", "data_wait_s", "policy_version",
-                    "teacher_mass_support"):
+        for key in (
+            "loss",
+            "tokens_per_s",
+            "samples",
+            "lr",
+            "grad_norm",
+            "data_wait_s",
+            "policy_version",
+            "teacher_mass_support",
+        ):
             assert row[f"train/{key}"] == pytest.approx(r[key], rel=1e-12), key
         assert row["train/trained_samples"] == trained
         assert row["train/staleness_mean"] == pytest.approx(train_metrics(r)["train/staleness_mean"])
 
     events = EventAccumulator(str(store.local_path("metrics/tensorboard")))
     events.Reload()
-    assert {"train/loss", "train/tokens_per_s", "train/samples", "train/staleness_mean"} <= set(events.Tags()["scalars"])
+    assert {"train/loss", "train/tokens_per_s", "train/samples", "train/staleness_mean"} <= set(
+        events.Tags()["scalars"]
+    )
     tb_loss = {e.step: e.value for e in events.Scalars("train/loss")}
     assert tb_loss == pytest.approx({r["step"]: r["loss"] for r in records}, rel=1e-6)  # float32 in event files
 
 
 def test_evaluator_logs_strict_lenient_and_kl_to_its_own_wandb_run(trained_store):
     store, wandb_dir = trained_store
-    out = opd("eval", "--model", store.uri, "--follow", "--prompts", str(REPO / "data/arithmetic/test.parquet"),
-              "--teacher", str(REPO / "data/models/teacher"), "--max-prompts", "4", "--max-new-tokens", "6",
-              "--set", "train.report_to=wandb")
+    out = opd(
+        "eval",
+        "--model",
+        store.uri,
+        "--follow",
+        "--prompts",
+        str(REPO / "data/arithmetic/test.parquet"),
+        "--teacher",
+        str(REPO / "data/models/teacher"),
+        "--max-prompts",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--set",
+        "train.report_to=wandb",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     evals = {r["version"]: r for r in read_metrics(store, "eval")["eval-0"]}
     assert sorted(evals) == [0, 1, 2]
@@ -127,8 +152,9 @@ def test_report_to_accepts_names_and_keeps_the_tensorboard_flag():
     assert load_config(None, sets=["train.report_to=wandb"]).train.report_to == ["wandb"]
     assert load_config(None, sets=["train.report_to=wandb,tensorboard"]).train.report_to == ["wandb", "tensorboard"]
     assert load_config(None, sets=["train.tensorboard=true"]).train.report_to == ["tensorboard"]  # deprecated alias
-    assert load_config(None, sets=["train.tensorboard=true", "train.report_to=[tensorboard]"]).train.report_to \
-        == ["tensorboard"]
+    assert load_config(None, sets=["train.tensorboard=true", "train.report_to=[tensorboard]"]).train.report_to == [
+        "tensorboard"
+    ]
     with pytest.raises(ValueError, match="train.report_to.0' = 'mlflow': Input should be 'tensorboard' or 'wandb'"):
         load_config(None, sets=["train.report_to=mlflow"])
 
@@ -136,8 +162,11 @@ def test_report_to_accepts_names_and_keeps_the_tensorboard_flag():
 def test_a_missing_tracker_package_is_named_before_training(monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
-    with pytest.raises(ValueError, match=r"train.report_to wandb: the wandb package is not installed: "
-                                         r"pip install 'opd-cache\[wandb\]'"):
+    with pytest.raises(
+        ValueError,
+        match=r"train.report_to wandb: the wandb package is not installed: "
+        r"pip install 'opd-cache\[wandb\]'",
+    ):
         check_trackers(["tensorboard", "wandb"])
 
 
@@ -157,10 +186,29 @@ def test_an_evaluator_stopped_by_sigterm_keeps_its_wandb_rows(trained_store, tmp
     store.delete("train/DONE")  # training "still running": the evaluator follows until it is stopped
     store.delete("metrics/eval-0.jsonl")
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb-dir"), "WANDB_SILENT": "true"}
-    proc = subprocess.Popen([sys.executable, "-m", "opd_cache.cli", "eval", "--model", store.uri, "--follow",
-                             "--prompts", str(REPO / "data/arithmetic/test.parquet"), "--max-prompts", "4",
-                             "--max-new-tokens", "6", "--set", "train.report_to=wandb"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "opd_cache.cli",
+            "eval",
+            "--model",
+            store.uri,
+            "--follow",
+            "--prompts",
+            str(REPO / "data/arithmetic/test.parquet"),
+            "--max-prompts",
+            "4",
+            "--max-new-tokens",
+            "6",
+            "--set",
+            "train.report_to=wandb",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:

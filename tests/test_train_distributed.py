@@ -39,10 +39,33 @@ def test_two_processes_equal_one_then_resume_on_one(tmp_path, tiny_model_factory
     assert result.step == 5 and result.stopped == "no more admissible data"
 
     two = make_store(tmp_path / "two", student, tokenizer, teacher, shards=3, rows=13)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "opd_cache.cli", "train", "--store", two.uri, "--max-steps", "4", "--global-batch-samples", "9",
-               "--micro-batch-tokens", "40", "--publish-every", "2", "--lr", "3e-4", "--max-staleness", "100",
-               "--set", "train.save_every=2"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "opd_cache.cli",
+        "train",
+        "--store",
+        two.uri,
+        "--max-steps",
+        "4",
+        "--global-batch-samples",
+        "9",
+        "--micro-batch-tokens",
+        "40",
+        "--publish-every",
+        "2",
+        "--lr",
+        "3e-4",
+        "--max-staleness",
+        "100",
+        "--set",
+        "train.save_every=2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
@@ -58,7 +81,9 @@ def test_two_processes_equal_one_then_resume_on_one(tmp_path, tiny_model_factory
     assert_same_weights(weights_of(two, 2), weights_of(one, 2))
     assert complete_states(two) == [2, 4]
     assert sorted(p.name for p in two.local_path("train/state/step-000004").iterdir() if p.suffix == ".distcp") == [
-        "__0_0.distcp", "__1_0.distcp"]
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
 
     # the state saved by two ranks resumes in one process (DCP reshards) and ends where the 1-process run ended
     result = train(config(two, **options))
@@ -82,17 +107,49 @@ def test_single_gpu_bf16_trains(tmp_path, tiny_model_factory, tokenizer, teacher
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL, FSDP2 on GPUs)")
 def test_two_gpus_equal_one_gpu(tmp_path, tiny_model_factory, tokenizer, teacher):  # noqa: F811
     student = tiny_model_factory("student", seed=0)
-    options = dict(max_steps=4, global_batch_samples=9, micro_batch_tokens=40, publish_every=2, device="cuda",
-                   mixed_precision="off")
+    options = dict(
+        max_steps=4,
+        global_batch_samples=9,
+        micro_batch_tokens=40,
+        publish_every=2,
+        device="cuda",
+        mixed_precision="off",
+    )
     one = make_store(tmp_path / "one", student, tokenizer, teacher, shards=3, rows=13)
     train(config(one, **options))
     two = make_store(tmp_path / "two", student, tokenizer, teacher, shards=3, rows=13)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "opd_cache.cli", "train", "--store", two.uri, "--max-steps", "4", "--global-batch-samples", "9",
-               "--micro-batch-tokens", "40", "--publish-every", "2", "--lr", "3e-4", "--max-staleness", "100",
-               "--set", "train.device=cuda", "--set", "train.mixed_precision=off"]
-    out = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
-                         text=True, timeout=600)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "opd_cache.cli",
+        "train",
+        "--store",
+        two.uri,
+        "--max-steps",
+        "4",
+        "--global-batch-samples",
+        "9",
+        "--micro-batch-tokens",
+        "40",
+        "--publish-every",
+        "2",
+        "--lr",
+        "3e-4",
+        "--max-staleness",
+        "100",
+        "--set",
+        "train.device=cuda",
+        "--set",
+        "train.mixed_precision=off",
+    ]
+    out = subprocess.run(
+        command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     assert [m["loss"] for m in metrics(two)] == pytest.approx([m["loss"] for m in metrics(one)], abs=1e-5)
     assert_same_weights(weights_of(two, 2), weights_of(one, 2), atol=1e-4)

@@ -11,27 +11,42 @@ import pytest
 
 from opd_cache.schema import ANNOTATED, ShardError, ShardMeta, annotated_table, flat_values, read_shard, write_shard
 from opd_cache.store import make_shard_id
+from opd_cache.testing import write_synthetic_shard
 from opd_cache.train.loader import BatchLoader
 from opd_cache.train.microbatch import decode_rows
 from opd_cache.train.shard_data import ShardCache, load_shard, required_teachers
 from opd_cache.train.stream import (
-    GlobalBatch, ShardStream, StreamCursor, StreamEnd, assign_ranks, group_advantages,
+    GlobalBatch,
+    ShardStream,
+    StreamCursor,
+    StreamEnd,
+    assign_ranks,
+    group_advantages,
 )
-from opd_cache.train.synthetic import write_synthetic_shard
 
 V, K = 32, 4
 
 
 @pytest.fixture
 def run(local_store):
-    return local_store.ensure_run(student="student", tokenizer_fingerprint="fp-test", vocab_size=V, top_k=K,
-                                  teachers={"teacher": "teacher-path"})
+    return local_store.ensure_run(
+        student="student", tokenizer_fingerprint="fp-test", vocab_size=V, top_k=K, teachers={"teacher": "teacher-path"}
+    )
 
 
 def shard(store, run, version, seq, rows=6, worker="w00", annotate=True, **kwargs):
     shard_id = make_shard_id(version, worker, seq)
-    write_synthetic_shard(store, run, shard_id, num_rows=rows, vocab_size=V, top_k=K, seed=version * 100 + seq,
-                          annotate=annotate, **kwargs)
+    write_synthetic_shard(
+        store,
+        run,
+        shard_id,
+        num_rows=rows,
+        vocab_size=V,
+        top_k=K,
+        seed=version * 100 + seq,
+        annotate=annotate,
+        **kwargs,
+    )
     return shard_id
 
 
@@ -63,8 +78,9 @@ def skipped(store):
 
 def test_required_teachers_follow_run_json():
     assert required_teachers({"teachers": {"t": "p"}}) == ["t"]
-    assert required_teachers({"teachers": {"a": 1, "b": 2}, "routing": {"key": "data_source", "map": {"x": "a"},
-                                                                         "default": "b"}}) == ["a", "b"]
+    assert required_teachers(
+        {"teachers": {"a": 1, "b": 2}, "routing": {"key": "data_source", "map": {"x": "a"}, "default": "b"}}
+    ) == ["a", "b"]
     assert required_teachers({}) == []
 
 
@@ -138,14 +154,28 @@ def test_token_budget_batches(local_store, run):
 
 
 def test_routing_joins_each_row_with_its_teacher(local_store):
-    run = local_store.ensure_run(student="s", tokenizer_fingerprint="fp", vocab_size=V, top_k=K,
-                                 teachers={"math": "m", "code": "c"},
-                                 routing={"key": "data_source", "map": {"gsm8k": "math", "mbpp": "code"}, "default": None})
+    run = local_store.ensure_run(
+        student="s",
+        tokenizer_fingerprint="fp",
+        vocab_size=V,
+        top_k=K,
+        teachers={"math": "m", "code": "c"},
+        routing={"key": "data_source", "map": {"gsm8k": "math", "mbpp": "code"}, "default": None},
+    )
     sources = ["gsm8k", "mbpp", "other", "mbpp", "gsm8k", "gsm8k", "other", "mbpp", "gsm8k"]
     sid = make_shard_id(0, "w00", 0)
-    write_synthetic_shard(local_store, run, sid, num_rows=9, vocab_size=V, top_k=K, seed=3,
-                          teachers={"math": None, "code": None}, routing={"gsm8k": "math", "mbpp": "code"},
-                          data_sources=sources)
+    write_synthetic_shard(
+        local_store,
+        run,
+        sid,
+        num_rows=9,
+        vocab_size=V,
+        top_k=K,
+        seed=3,
+        teachers={"math": None, "code": None},
+        routing={"gsm8k": "math", "mbpp": "code"},
+        data_sources=sources,
+    )
     stream, cache = make_stream(local_store, run, batch_samples=100)
     batch = stream.next_batch(1, 0)
     routed = [i for i, s in enumerate(sources) if s != "other"]
@@ -156,8 +186,15 @@ def test_routing_joins_each_row_with_its_teacher(local_store):
 
     # every decoded teacher target is the routed teacher's entry for that row
     assign_ranks(batch, 1, 10_000)
-    mb = decode_rows(cache, batch.shard_ids, batch.row_shard, batch.row_index, aggregation="token-mean",
-                     global_tokens=batch.response_tokens, global_seqs=batch.global_seqs)
+    mb = decode_rows(
+        cache,
+        batch.shard_ids,
+        batch.row_shard,
+        batch.row_index,
+        aggregation="token-mean",
+        global_tokens=batch.response_tokens,
+        global_seqs=batch.global_seqs,
+    )
     expected_ids, expected_lp = [], []
     rollout, _ = read_shard(local_store, local_store.rollout_path(sid))
     for row in sorted(batch.row_index.tolist()):
@@ -173,10 +210,19 @@ def test_assign_ranks_balances_tokens_and_equalises_micro_batches():
     rng = np.random.default_rng(0)
     n = 37
     prompt, response = rng.integers(3, 20, n), rng.integers(0, 40, n)
-    batch = GlobalBatch(step=1, version=0, shard_ids=["s"], row_shard=np.zeros(n, np.int32),
-                        row_index=np.arange(n), prompt_lengths=prompt, response_lengths=response,
-                        row_version=np.zeros(n, np.int32), sample_ids=[str(i) for i in range(n)],
-                        teachers=["t"] * n, cursor={})
+    batch = GlobalBatch(
+        step=1,
+        version=0,
+        shard_ids=["s"],
+        row_shard=np.zeros(n, np.int32),
+        row_index=np.arange(n),
+        prompt_lengths=prompt,
+        response_lengths=response,
+        row_version=np.zeros(n, np.int32),
+        sample_ids=[str(i) for i in range(n)],
+        teachers=["t"] * n,
+        cursor={},
+    )
     budget = 120
     assign_ranks(batch, 3, budget)
     lengths = prompt + response
@@ -198,8 +244,15 @@ def test_decode_builds_the_padded_layout_and_global_weights(local_store, run):
     rollout, _ = read_shard(local_store, local_store.rollout_path(sid))
     part, _ = read_shard(local_store, local_store.annotated_path(sid, "teacher"))
     rows = np.array([4, 1, 3])  # any subset, any order
-    mb = decode_rows(cache, batch.shard_ids, np.zeros(3, np.int32), rows, aggregation="token-mean",
-                     global_tokens=batch.response_tokens, global_seqs=batch.global_seqs)
+    mb = decode_rows(
+        cache,
+        batch.shard_ids,
+        np.zeros(3, np.int32),
+        rows,
+        aggregation="token-mean",
+        global_tokens=batch.response_tokens,
+        global_seqs=batch.global_seqs,
+    )
     seqs = {r: rollout["prompt_ids"][r].as_py() + rollout["response_ids"][r].as_py() for r in rows}
     decoded = [mb.input_ids[i, : int(mb.attention_mask[i].sum())].tolist() for i in range(3)]
     assert sorted(map(tuple, decoded)) == sorted(map(tuple, seqs.values()))
@@ -218,8 +271,9 @@ def test_follow_waits_for_new_shards_then_idle_timeout_ends(local_store, run):
     stream, _ = make_stream(local_store, run, follow=True, batch_samples=4, idle_timeout=0.5)
     assert stream.next_batch(1, 0).num_rows == 4
     late = make_shard_id(0, "w00", 1)
-    writer = threading.Timer(0.4, lambda: write_synthetic_shard(local_store, run, late, num_rows=4, vocab_size=V,
-                                                                top_k=K, seed=9))
+    writer = threading.Timer(
+        0.4, lambda: write_synthetic_shard(local_store, run, late, num_rows=4, vocab_size=V, top_k=K, seed=9)
+    )
     writer.start()
     t0 = time.monotonic()
     batch = stream.next_batch(2, 0)
@@ -234,8 +288,17 @@ def test_loader_prefetches_the_planned_batches(local_store, run):
     for seq in range(3):
         shard(local_store, run, 0, seq, rows=5)
     stream, cache = make_stream(local_store, run, batch_samples=4)
-    loader = BatchLoader(cache=cache, stream=stream, rank=0, world_size=1, first_step=1, max_steps=3,
-                         version_of_step=lambda s: 0, micro_batch_tokens=20, aggregation="token-mean").start()
+    loader = BatchLoader(
+        cache=cache,
+        stream=stream,
+        rank=0,
+        world_size=1,
+        first_step=1,
+        max_steps=3,
+        version_of_step=lambda s: 0,
+        micro_batch_tokens=20,
+        aggregation="token-mean",
+    ).start()
     steps = [loader.get() for _ in range(3)]
     loader.close()
     assert [s.batch.step for s in steps] == [1, 2, 3]
@@ -256,12 +319,27 @@ def test_part_with_another_top_k_is_refused(local_store, run):
     table, _ = read_shard(local_store, local_store.rollout_path(sid))
     lengths = np.array([len(r) for r in table["response_ids"].to_pylist()])
     total = int(lengths.sum())
-    part = annotated_table(sample_ids=table["sample_id"].to_pylist(), lengths=lengths,
-                           topk_ids=np.tile(np.arange(8), (total, 1)), topk_logprobs=np.full((total, 8), -3.0),
-                           token_logprob=np.full(total, -1.0))
-    write_shard(local_store, local_store.annotated_path(sid, "teacher"), part,
-                ShardMeta(kind=ANNOTATED, run_id=run["run_id"], tokenizer_fingerprint="fp-test", shard_id=sid,
-                          policy_version=0, top_k=8, teacher="teacher"))
+    part = annotated_table(
+        sample_ids=table["sample_id"].to_pylist(),
+        lengths=lengths,
+        topk_ids=np.tile(np.arange(8), (total, 1)),
+        topk_logprobs=np.full((total, 8), -3.0),
+        token_logprob=np.full(total, -1.0),
+    )
+    write_shard(
+        local_store,
+        local_store.annotated_path(sid, "teacher"),
+        part,
+        ShardMeta(
+            kind=ANNOTATED,
+            run_id=run["run_id"],
+            tokenizer_fingerprint="fp-test",
+            shard_id=sid,
+            policy_version=0,
+            top_k=8,
+            teacher="teacher",
+        ),
+    )
     with pytest.raises(ShardError, match=r"teacher\.arrow: annotated with top_k=8 but run.json has top_k=4"):
         load_shard(local_store, run, sid, ["teacher"])
 
@@ -282,13 +360,21 @@ def test_union_support_without_student_topk_is_refused(local_store, run):
 
 
 def test_union_support_decodes_student_topk_and_teacher_support(local_store):
-    run = local_store.ensure_run(student="s", tokenizer_fingerprint="fp", vocab_size=V, top_k=K, student_topk=3,
-                                 teachers={"teacher": "t"})
+    run = local_store.ensure_run(
+        student="s", tokenizer_fingerprint="fp", vocab_size=V, top_k=K, student_topk=3, teachers={"teacher": "t"}
+    )
     sid = make_shard_id(0, "w00", 0)
     write_synthetic_shard(local_store, run, sid, num_rows=4, vocab_size=V, top_k=K, student_topk=3, seed=2)
     cache = ShardCache(local_store, run, ["teacher"], need_support=True)
     data = cache.get(sid)
-    mb = decode_rows(cache, [sid], np.zeros(4, np.int32), np.arange(4), aggregation="token-mean",
-                     global_tokens=int(data.response_lengths.sum()), global_seqs=4)
+    mb = decode_rows(
+        cache,
+        [sid],
+        np.zeros(4, np.int32),
+        np.arange(4),
+        aggregation="token-mean",
+        global_tokens=int(data.response_lengths.sum()),
+        global_seqs=4,
+    )
     assert mb.support_ids.shape == (mb.num_tokens, 3) and mb.support_logprobs.shape == (mb.num_tokens, 3)
     np.testing.assert_array_equal(mb.support_ids.numpy(), data.student_topk_ids)

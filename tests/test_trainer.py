@@ -22,6 +22,7 @@ from opd_cache.config import load_config
 from opd_cache.losses import pg_loss, token_losses
 from opd_cache.models import build_tiny_model, load_causal_lm
 from opd_cache.store import Store, make_shard_id
+from opd_cache.testing import response_logprobs, write_synthetic_shard
 from opd_cache.tokenizer import tokenizer_fingerprint
 from opd_cache.train import train
 from opd_cache.train.checkpoint import complete_states, read_ledger, verify_ledger
@@ -29,7 +30,6 @@ from opd_cache.train.microbatch import MicroBatch
 from opd_cache.train.objective import DistillationObjective, LossOptions
 from opd_cache.train.shard_data import ShardCache
 from opd_cache.train.stream import ShardStream
-from opd_cache.train.synthetic import response_logprobs, write_synthetic_shard
 from opd_cache.train.task_reward import score_batch
 from opd_cache.train.trainer import check_inputs, learning_rate
 
@@ -51,24 +51,54 @@ def student_path(tiny_model_factory):
     return tiny_model_factory("student", seed=0)
 
 
-def make_store(root: Path | Store, student_path: Path, tokenizer, teacher, *, shards: int, rows: int, version: int = 0,
-               seq0: int = 0, run_extra: dict | None = None) -> Store:
+def make_store(
+    root: Path | Store,
+    student_path: Path,
+    tokenizer,
+    teacher,
+    *,
+    shards: int,
+    rows: int,
+    version: int = 0,
+    seq0: int = 0,
+    run_extra: dict | None = None,
+) -> Store:
     store = root if isinstance(root, Store) else Store(root)
-    run = store.ensure_run(student=str(student_path), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-                           vocab_size=len(tokenizer), top_k=K, teachers={"teacher": "tiny-teacher"},
-                           **(run_extra or {}))
+    run = store.ensure_run(
+        student=str(student_path),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        vocab_size=len(tokenizer),
+        top_k=K,
+        teachers={"teacher": "tiny-teacher"},
+        **(run_extra or {}),
+    )
     behavior = load_causal_lm(student_path)
     for seq in range(seq0, seq0 + shards):
-        write_synthetic_shard(store, run, make_shard_id(version, "w00", seq), num_rows=rows, vocab_size=len(tokenizer),
-                              top_k=K, seed=1000 * version + seq, teachers={"teacher": teacher}, behavior=behavior)
+        write_synthetic_shard(
+            store,
+            run,
+            make_shard_id(version, "w00", seq),
+            num_rows=rows,
+            vocab_size=len(tokenizer),
+            top_k=K,
+            seed=1000 * version + seq,
+            teachers={"teacher": teacher},
+            behavior=behavior,
+        )
     return store
 
 
 def config(store: Store, s3_endpoint: str | None = None, **train):
     # lr 3e-4 unless a test needs speed: Adam divides each gradient by its own RMS, which turns float rounding of
     # near-zero gradients into updates of up to ~lr, so runs that should agree agree to ~lr/100, not to 1e-7.
-    overrides = {"store.uri": store.uri, "train.lr": 3e-4, "train.max_staleness": 100, "train.publish_every": 100,
-                 "train.save_every": 100, "train.global_batch_samples": 8}
+    overrides = {
+        "store.uri": store.uri,
+        "train.lr": 3e-4,
+        "train.max_staleness": 100,
+        "train.publish_every": 100,
+        "train.save_every": 100,
+        "train.global_batch_samples": 8,
+    }
     overrides.update({f"train.{k}": v for k, v in train.items()})
     if s3_endpoint:
         overrides["store.s3_endpoint"] = s3_endpoint
@@ -114,12 +144,27 @@ def test_distillation_loss_and_heldout_kl_fall(tmp_path, student_path, tokenizer
     losses = [m["loss"] for m in metrics(store)]
     assert len(losses) == 24
     assert np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4]), losses
-    kl_after = heldout_kl(load_causal_lm(store.local_path(store.policy_dir(store.latest_version()))), teacher, tokenizer)
+    kl_after = heldout_kl(
+        load_causal_lm(store.local_path(store.policy_dir(store.latest_version()))), teacher, tokenizer
+    )
     assert kl_after < 0.9 * kl_before, (kl_before, kl_after)
     record = metrics(store)[-1]
-    for key in ("grad_norm", "lr", "tokens_per_s", "data_wait_s", "staleness", "expired_rows", "teacher_mass_support",
-                "student_mass_support", "teacher_tail_mass", "student_tail_mass", "topk_overlap", "loss_min",
-                "loss_max", "k1"):
+    for key in (
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "data_wait_s",
+        "staleness",
+        "expired_rows",
+        "teacher_mass_support",
+        "student_mass_support",
+        "teacher_tail_mass",
+        "student_tail_mass",
+        "topk_overlap",
+        "loss_min",
+        "loss_max",
+        "k1",
+    ):
         assert key in record and record[key] is not None, key
     assert 0 < record["teacher_mass_support"] <= 1 and record["loss_min"] <= record["loss"] <= record["loss_max"] + 1e-6
     progress = store.read_progress()
@@ -199,8 +244,16 @@ def test_max_staleness_zero_waits_for_data_of_the_current_version(tmp_path, stud
         time.sleep(0.05)
     time.sleep(0.5)  # the trainer must be waiting now: nothing of version 1 exists yet
     assert store.read_progress()["step"] == 1 and not store.is_done()
-    write_synthetic_shard(store, store.require_run(), make_shard_id(1, "w00", 0), num_rows=8, vocab_size=len(tokenizer),
-                          top_k=K, seed=77, teachers={"teacher": teacher})
+    write_synthetic_shard(
+        store,
+        store.require_run(),
+        make_shard_id(1, "w00", 0),
+        num_rows=8,
+        vocab_size=len(tokenizer),
+        top_k=K,
+        seed=77,
+        teachers={"teacher": teacher},
+    )
     trainer.join(timeout=60)
     assert not trainer.is_alive() and not errors, errors
     assert store.is_done()
@@ -214,9 +267,29 @@ def test_max_staleness_zero_waits_for_data_of_the_current_version(tmp_path, stud
 # ------------------------------------------------------------------ SIGKILL and resume
 def test_sigkill_then_resume_trains_every_row_exactly_once(tmp_path, student_path, tokenizer, teacher):
     killed = make_store(tmp_path / "killed", student_path, tokenizer, teacher, shards=5, rows=8)
-    command = [sys.executable, "-m", "opd_cache.cli", "train", "--store", killed.uri, "--max-steps", "8",
-               "--global-batch-samples", "8", "--lr", "3e-4", "--max-staleness", "100", "--publish-every", "2",
-               "--follow", "--set", "train.save_every=2", "--set", "train.poll_seconds=0.1"]
+    command = [
+        sys.executable,
+        "-m",
+        "opd_cache.cli",
+        "train",
+        "--store",
+        killed.uri,
+        "--max-steps",
+        "8",
+        "--global-batch-samples",
+        "8",
+        "--lr",
+        "3e-4",
+        "--max-staleness",
+        "100",
+        "--publish-every",
+        "2",
+        "--follow",
+        "--set",
+        "train.save_every=2",
+        "--set",
+        "train.poll_seconds=0.1",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
@@ -230,9 +303,17 @@ def test_sigkill_then_resume_trains_every_row_exactly_once(tmp_path, student_pat
     assert complete_states(killed)[-1] == 4
     ledger_before, _ = read_ledger(killed)
     for seq in range(5, 8):
-        write_synthetic_shard(killed, killed.require_run(), make_shard_id(0, "w00", seq), num_rows=8,
-                              vocab_size=len(tokenizer), top_k=K, seed=seq, teachers={"teacher": teacher},
-                              behavior=load_causal_lm(student_path))
+        write_synthetic_shard(
+            killed,
+            killed.require_run(),
+            make_shard_id(0, "w00", seq),
+            num_rows=8,
+            vocab_size=len(tokenizer),
+            top_k=K,
+            seed=seq,
+            teachers={"teacher": teacher},
+            behavior=load_causal_lm(student_path),
+        )
     # restart with the same command (in this process: a second interpreter start costs more than the test)
     out = CliRunner().invoke(app, command[3:])
     assert out.exit_code == 0, out.output
@@ -270,12 +351,19 @@ def _micro_batch(model, tokenizer, rng, n_rows=3):
     teacher_lp = torch.log_softmax(torch.randn(n, vocab, generator=gen) * 3, -1)
     top = teacher_lp.topk(K, -1)
     sampled = torch.from_numpy(np.concatenate(responses).astype(np.int64))
-    return MicroBatch(input_ids=ids, attention_mask=mask, response_positions=torch.tensor(positions),
-                      sampled_ids=sampled, behavior_logprobs=-torch.rand(n, generator=gen) * 4,
-                      teacher_topk_ids=top.indices, teacher_topk_logprobs=top.values,
-                      teacher_token_logprobs=teacher_lp.gather(1, sampled[:, None]).squeeze(1),
-                      token_weights=torch.rand(n, generator=gen), advantages=torch.randn(n, generator=gen),
-                      num_rows=n_rows)
+    return MicroBatch(
+        input_ids=ids,
+        attention_mask=mask,
+        response_positions=torch.tensor(positions),
+        sampled_ids=sampled,
+        behavior_logprobs=-torch.rand(n, generator=gen) * 4,
+        teacher_topk_ids=top.indices,
+        teacher_topk_logprobs=top.values,
+        teacher_token_logprobs=teacher_lp.gather(1, sampled[:, None]).squeeze(1),
+        token_weights=torch.rand(n, generator=gen),
+        advantages=torch.randn(n, generator=gen),
+        num_rows=n_rows,
+    )
 
 
 def _student_logits(model, mb):
@@ -325,13 +413,24 @@ def test_activation_checkpointing_gives_the_same_gradients(tokenizer):
 
 
 def test_task_rewards_are_group_normalised(local_store, tokenizer):
-    run = local_store.ensure_run(student="s", tokenizer_fingerprint="fp", vocab_size=len(tokenizer), top_k=4,
-                                 teachers={"teacher": "t"})
+    run = local_store.ensure_run(
+        student="s", tokenizer_fingerprint="fp", vocab_size=len(tokenizer), top_k=4, teachers={"teacher": "t"}
+    )
     texts = [" #### 5", " #### 7", " #### 5", " #### 5", "so 5"]
     responses = [np.array(tokenizer(t, add_special_tokens=False)["input_ids"], dtype=np.int32) for t in texts]
     sid = make_shard_id(0, "w00", 0)
-    write_synthetic_shard(local_store, run, sid, num_rows=5, vocab_size=len(tokenizer), top_k=4, group_size=2,
-                          responses=responses, ground_truth=["5"] * 5, data_sources=["arithmetic"] * 5)
+    write_synthetic_shard(
+        local_store,
+        run,
+        sid,
+        num_rows=5,
+        vocab_size=len(tokenizer),
+        top_k=4,
+        group_size=2,
+        responses=responses,
+        ground_truth=["5"] * 5,
+        data_sources=["arithmetic"] * 5,
+    )
     cache = ShardCache(local_store, run, ["teacher"])
     stream = ShardStream(local_store, run, cache, max_staleness=5, batch_samples=5, batch_tokens=None)
     batch = stream.next_batch(1, 0)
@@ -342,9 +441,18 @@ def test_task_rewards_are_group_normalised(local_store, tokenizer):
 
 def test_pg_loss_with_task_reward_trains_end_to_end(tmp_path, student_path, tokenizer, teacher):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher, shards=0, rows=8)
-    write_synthetic_shard(store, store.require_run(), make_shard_id(0, "w00", 0), num_rows=8, vocab_size=len(tokenizer),
-                          top_k=K, teachers={"teacher": teacher}, ground_truth=["3"] * 8, group_size=4,
-                          behavior=load_causal_lm(student_path))
+    write_synthetic_shard(
+        store,
+        store.require_run(),
+        make_shard_id(0, "w00", 0),
+        num_rows=8,
+        vocab_size=len(tokenizer),
+        top_k=K,
+        teachers={"teacher": teacher},
+        ground_truth=["3"] * 8,
+        group_size=4,
+        behavior=load_causal_lm(student_path),
+    )
     result = train(config(store, max_steps=1, loss="pg", importance_cap=2.0, task_reward_weight=0.5))
     assert result.step == 1
     record = metrics(store)[0]
@@ -353,8 +461,16 @@ def test_pg_loss_with_task_reward_trains_end_to_end(tmp_path, student_path, toke
 
 
 def test_learning_rate_schedule():
-    cfg = load_config(None, overrides={"train.lr": 1.0, "train.min_lr": 0.1, "train.warmup_steps": 4,
-                                       "train.schedule": "cosine", "train.max_steps": 14}).train
+    cfg = load_config(
+        None,
+        overrides={
+            "train.lr": 1.0,
+            "train.min_lr": 0.1,
+            "train.warmup_steps": 4,
+            "train.schedule": "cosine",
+            "train.max_steps": 14,
+        },
+    ).train
     assert [learning_rate(s, cfg) for s in (1, 2, 4)] == [0.25, 0.5, 1.0]
     assert learning_rate(9, cfg) == pytest.approx(0.55)
     assert learning_rate(14, cfg) == pytest.approx(0.1)
@@ -385,15 +501,20 @@ def test_bad_inputs_each_get_one_message(tmp_path, student_path, tokenizer, teac
 
     # a student whose tokenizer is not the run's
     other = Store(tmp_path / "other")
-    other.ensure_run(student=str(student_path), tokenizer_fingerprint="0123456789abcdef", top_k=K,
-                     teachers={"teacher": "t"})
+    other.ensure_run(
+        student=str(student_path), tokenizer_fingerprint="0123456789abcdef", top_k=K, teachers={"teacher": "t"}
+    )
     out = run_cli("--store", other.uri)
     assert "its tokenizer" in out and "is not the run's (0123456789abcdef" in out
 
     # an annotated part with another top-k than run.json
     topk = Store(tmp_path / "topk")
-    run = topk.ensure_run(student=str(student_path), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-                          top_k=4, teachers={"teacher": "t"})
+    run = topk.ensure_run(
+        student=str(student_path),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        top_k=4,
+        teachers={"teacher": "t"},
+    )
     write_synthetic_shard(topk, run, make_shard_id(0, "w00", 0), num_rows=4, vocab_size=len(tokenizer), top_k=K)
     out = run_cli("--store", topk.uri)
     assert "teacher.arrow: annotated with top_k=8 but run.json has top_k=4" in out

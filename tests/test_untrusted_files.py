@@ -69,8 +69,10 @@ def test_pickle_weights_are_refused(tmp_path, marker):
     (folder / "pytorch_model.bin").write_bytes(data)
     from opd_cache.models import load_causal_lm
 
-    with pytest.raises(ValueError, match=re.escape(f"model {folder}: no *.safetensors weights in the folder "
-                                                   f"(pickle checkpoints are not loaded)")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"model {folder}: no *.safetensors weights in the folder (pickle checkpoints are not loaded)"),
+    ):
         load_causal_lm(folder)
     assert not marker.exists()
 
@@ -94,8 +96,10 @@ def _custom_code_model(folder: Path, marker: Path, model_type: str) -> Path:
     """A model folder whose config.json and tokenizer_config.json point (auto_map) at code in the folder."""
     shutil.copytree(TEACHER, folder)
     config = json.loads((folder / "config.json").read_text())
-    config.update(model_type=model_type, auto_map={"AutoConfig": "custom.CustomConfig",
-                                                   "AutoModelForCausalLM": "custom.CustomModel"})
+    config.update(
+        model_type=model_type,
+        auto_map={"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel"},
+    )
     (folder / "config.json").write_text(json.dumps(config))
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     tokenizer_config["auto_map"] = {"AutoTokenizer": ["custom.CustomTokenizer", None]}
@@ -105,7 +109,8 @@ def _custom_code_model(folder: Path, marker: Path, model_type: str) -> Path:
         "from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast\n"
         f"class CustomConfig(LlamaConfig):\n    model_type = {model_type!r}\n"
         "class CustomModel(LlamaForCausalLM):\n    config_class = CustomConfig\n"
-        "class CustomTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+        "class CustomTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
     return folder
 
 
@@ -141,14 +146,17 @@ def test_auto_map_of_an_unknown_architecture_is_refused_without_trust_remote_cod
     from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 
     tokenizer = load_tokenizer(STUDENT)
-    store.ensure_run(student=str(STUDENT), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-                     vocab_size=len(tokenizer))
+    store.ensure_run(
+        student=str(STUDENT), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer)
+    )
     run_json = (tmp_path / "store/run.json").read_bytes()
     result = runner.invoke(app, ["annotate", "--store", str(tmp_path / "store"), "--teacher", str(folder)])
     assert result.exit_code == 2, result.output
-    assert result.stderr == (f"error: model {folder}: its config.json needs custom Python code from the model folder, "
-                             f"which runs only with trust_remote_code (e.g. --set annotate.trust_remote_code=true); "
-                             f"enable it only for a model you trust\n")
+    assert result.stderr == (
+        f"error: model {folder}: its config.json needs custom Python code from the model folder, "
+        f"which runs only with trust_remote_code (e.g. --set annotate.trust_remote_code=true); "
+        f"enable it only for a model you trust\n"
+    )
     assert not marker.exists()
     assert (tmp_path / "store/run.json").read_bytes() == run_json  # the refused teacher is not recorded
 
@@ -157,8 +165,11 @@ def test_trust_remote_code_is_off_unless_the_user_sets_it():
     from opd_cache.config import Config
 
     config = Config()
-    assert (config.rollout.trust_remote_code, config.annotate.trust_remote_code, config.train.trust_remote_code) \
-        == (False, False, False)
+    assert (config.rollout.trust_remote_code, config.annotate.trust_remote_code, config.train.trust_remote_code) == (
+        False,
+        False,
+        False,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- vLLM
@@ -180,8 +191,8 @@ def fake_vllm(monkeypatch):
 
 
 def test_vllm_engines_load_safetensors_only(fake_vllm):
-    from opd_cache.engines.vllm_generate import VLLMGenerator
-    from opd_cache.engines.vllm_score import VLLMScorer
+    from opd_cache.annotate.vllm_score import VLLMScorer
+    from opd_cache.rollout.vllm_generate import VLLMGenerator
 
     VLLMScorer(str(TEACHER), max_top_k=4)
     VLLMGenerator(str(STUDENT))
@@ -233,8 +244,12 @@ def test_resume_state_metadata_with_code_is_refused(tmp_path, marker):
     assert marker.exists()
     marker.unlink()
     model, optimizer = _fresh()
-    with pytest.raises(StoreError, match=re.escape(f"{state}: the resume state cannot be loaded (") + ".*"
-                       + re.escape("refers to io.open, which a resume state never holds")):
+    with pytest.raises(
+        StoreError,
+        match=re.escape(f"{state}: the resume state cannot be loaded (")
+        + ".*"
+        + re.escape("refers to io.open, which a resume state never holds"),
+    ):
         load_state(store, 1, model, optimizer)
     assert not marker.exists()
 
@@ -269,8 +284,12 @@ def test_resume_state_entry_with_code_is_refused(tmp_path, marker):
     marker.unlink()
 
     model, fresh_optimizer = _fresh()
-    with pytest.raises(StoreError, match=re.escape(f"{state}: the resume state cannot be loaded (") + ".*"
-                       + re.escape("entry 'optim.param_groups.0.lr' is not plain data")):
+    with pytest.raises(
+        StoreError,
+        match=re.escape(f"{state}: the resume state cannot be loaded (")
+        + ".*"
+        + re.escape("entry 'optim.param_groups.0.lr' is not plain data"),
+    ):
         load_state(store, 1, model, fresh_optimizer)
     assert not marker.exists()
 
@@ -286,10 +305,20 @@ def test_yaml_config_cannot_construct_python_objects(tmp_path, marker):
     marker.unlink()
     result = runner.invoke(app, ["train", "--store", str(tmp_path / "store"), "--config", str(config)])
     assert result.exit_code == 2
-    assert result.stderr == (f"error: --config {config}: not valid YAML at line 2, column 7: could not determine a "
-                             f"constructor for the tag 'tag:yaml.org,2002:python/object/apply:builtins.open'\n")
-    result = runner.invoke(app, ["train", "--store", str(tmp_path / "store"), "--set",
-                                 f"train.lr=!!python/object/apply:builtins.open [{marker}, w]"])
+    assert result.stderr == (
+        f"error: --config {config}: not valid YAML at line 2, column 7: could not determine a "
+        f"constructor for the tag 'tag:yaml.org,2002:python/object/apply:builtins.open'\n"
+    )
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--store",
+            str(tmp_path / "store"),
+            "--set",
+            f"train.lr=!!python/object/apply:builtins.open [{marker}, w]",
+        ],
+    )
     assert result.exit_code == 2 and result.stderr.startswith("error: invalid configuration: config key 'train.lr'")
     assert not marker.exists()
 
@@ -298,8 +327,9 @@ def test_prompt_folder_with_a_loading_script_runs_no_code(tmp_path, marker):
     folder = tmp_path / "prompts"
     folder.mkdir()
     (folder / "prompts.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
-    result = runner.invoke(app, ["rollout", "--store", str(tmp_path / "store"), "--student", str(STUDENT),
-                                 "--prompts", str(folder)])
+    result = runner.invoke(
+        app, ["rollout", "--store", str(tmp_path / "store"), "--student", str(STUDENT), "--prompts", str(folder)]
+    )
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert re.fullmatch(r"error: [^\n]*" + re.escape(str(folder)) + r"[^\n]*\n", result.stderr), result.stderr
     assert not marker.exists() and not (tmp_path / "store").exists()
@@ -319,18 +349,25 @@ def test_shard_with_offsets_outside_its_buffers_is_refused(tmp_path):
     assert data.count(offsets.tobytes()) == 2
     path.write_bytes(data.replace(offsets.tobytes(), bad.tobytes()))
     reseal_shard(path)  # whoever can write the store can rewrite its checksums too
-    with pytest.raises(ShardError, match=re.escape(f"{path}: invalid Arrow data (") + ".*"
-                       + re.escape("Length spanned by list offsets (50000000) larger than values array")):
+    with pytest.raises(
+        ShardError,
+        match=re.escape(f"{path}: invalid Arrow data (")
+        + ".*"
+        + re.escape("Length spanned by list offsets (50000000) larger than values array"),
+    ):
         read_shard(store, "rollouts/v000000/v000000-w00-000000.arrow")
 
 
-@pytest.mark.parametrize("call", [
-    lambda s: s.annotated_path("v000001-w00-000001", "../../x"),
-    lambda s: s.annotated_path("v000001-w00-000001/../..", "teacher"),
-    lambda s: s.rollout_path("../../etc/passwd"),
-    lambda s: make_shard_id(1, "w0/../..", 1),
-    lambda s: MetricsLog(s, "rollout", "../../x"),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: s.annotated_path("v000001-w00-000001", "../../x"),
+        lambda s: s.annotated_path("v000001-w00-000001/../..", "teacher"),
+        lambda s: s.rollout_path("../../etc/passwd"),
+        lambda s: make_shard_id(1, "w0/../..", 1),
+        lambda s: MetricsLog(s, "rollout", "../../x"),
+    ],
+)
 def test_names_that_would_leave_the_store_are_refused(tmp_path, call):
     with pytest.raises(ValueError, match=r"^invalid (teacher name|shard id|worker id|worker) "):
         call(Store(tmp_path / "store"))
@@ -354,7 +391,8 @@ def test_download_refuses_object_keys_that_leave_the_folder(s3_store, s3_endpoin
     s3_store.write_bytes("policy/v000001/config.json", b"{}")
     bucket, _, prefix = s3_store.root.partition("/")
     boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").put_object(
-        Bucket=bucket, Key=f"{prefix}/policy/v000001/../../../escaped.txt", Body=b"x")
+        Bucket=bucket, Key=f"{prefix}/policy/v000001/../../../escaped.txt", Body=b"x"
+    )
     target = tmp_path / "a" / "b" / "c" / "download"
     with pytest.raises(StoreError, match=re.escape("refusing to download a file whose name leaves")):
         s3_store.download_dir("policy/v000001", target)
@@ -387,6 +425,9 @@ def test_no_unsafe_deserialization_in_the_package():
 
 def test_models_are_loaded_in_one_place():
     """`models.load_causal_lm` (safetensors only) is the only caller of from_pretrained for model weights."""
-    callers = [path for path, text in _sources().items()
-               if re.search(r"AutoModel\w*\.from_pretrained\(|ForCausalLM\.from_pretrained\(", text)]
+    callers = [
+        path
+        for path, text in _sources().items()
+        if re.search(r"AutoModel\w*\.from_pretrained\(|ForCausalLM\.from_pretrained\(", text)
+    ]
     assert callers == ["opd_cache/models.py"]

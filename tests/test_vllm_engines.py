@@ -22,14 +22,15 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/s
 pytestmark = pytest.mark.vllm
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine; the default takes a large share of RAM
 
-from opd_cache.annotate import Annotator  # noqa: E402
-from opd_cache.config import AnnotateConfig, RolloutConfig, SamplingConfig  # noqa: E402
-from opd_cache.engines.hf_score import HFScorer  # noqa: E402
-from opd_cache.models import load_causal_lm  # noqa: E402
-from opd_cache.rollout import make_engine, run_rollout  # noqa: E402
-from opd_cache.schema import ANNOTATED, ROLLOUT, read_shard  # noqa: E402
-from opd_cache.tokenizer import tokenizer_fingerprint  # noqa: E402
-from tests.conftest import write_random_rollout_shard  # noqa: E402
+from opd_cache.annotate import Annotator
+from opd_cache.annotate.hf_score import HFScorer
+from opd_cache.config import AnnotateConfig, RolloutConfig, SamplingConfig
+from opd_cache.models import load_causal_lm
+from opd_cache.rollout import run_rollout
+from opd_cache.rollout.worker import make_engine
+from opd_cache.schema import ANNOTATED, ROLLOUT, read_shard
+from opd_cache.tokenizer import tokenizer_fingerprint
+from tests.conftest import write_random_rollout_shard
 
 MAX_LEN = 96  # the models' context (max_position_embeddings): vLLM's max_model_len
 VLLM_MODEL = dict(hidden_size=64, num_heads=2, intermediate_size=128, max_position_embeddings=MAX_LEN)
@@ -37,14 +38,16 @@ VLLM_MODEL = dict(hidden_size=64, num_heads=2, intermediate_size=128, max_positi
 
 @pytest.fixture(scope="module")
 def student(tiny_model_factory, tokenizer):
-    return tiny_model_factory("vstudent", seed=3, eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id, **VLLM_MODEL)
+    return tiny_model_factory(
+        "vstudent", seed=3, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **VLLM_MODEL
+    )
 
 
 @pytest.fixture(scope="module")
 def teacher(tiny_model_factory, tokenizer):
-    return tiny_model_factory("vteacher", seed=4, eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id, **VLLM_MODEL)
+    return tiny_model_factory(
+        "vteacher", seed=4, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **VLLM_MODEL
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def sampler(student, tokenizer):
 
 @pytest.fixture(scope="module")
 def scorer(teacher, tokenizer):
-    from opd_cache.annotate import make_scorer
+    from opd_cache.annotate.worker import make_scorer
 
     engine = make_scorer(AnnotateConfig(teacher=str(teacher), engine="vllm"), 32, len(tokenizer))
     yield engine
@@ -74,7 +77,7 @@ def forward_logprobs(model, prompt, response) -> torch.Tensor:
     """[len(response), V] float32 log-softmax of the logits that predict each response token."""
     ids = torch.tensor([list(prompt) + list(response)], dtype=torch.long)
     logits = model(input_ids=ids).logits[0].float()
-    return torch.log_softmax(logits, -1)[len(prompt) - 1: len(prompt) - 1 + len(response)]
+    return torch.log_softmax(logits, -1)[len(prompt) - 1 : len(prompt) - 1 + len(response)]
 
 
 def gathered(logprobs: torch.Tensor, tokens) -> np.ndarray:
@@ -101,7 +104,7 @@ def test_behavior_logprobs_equal_a_float32_forward_at_temperature_1(sampler, stu
         np.testing.assert_array_equal(r.topk_ids, torch.topk(ref, 4).indices.numpy())
     # n > 1: the 3 samples of a prompt are separate draws (prompt-major order)
     for p in range(3):
-        assert len({tuple(r.token_ids) for r in responses[3 * p: 3 * p + 3]}) > 1
+        assert len({tuple(r.token_ids) for r in responses[3 * p : 3 * p + 3]}) > 1
 
 
 def processed_logprobs(logprobs: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -132,8 +135,9 @@ def test_behavior_logprobs_are_of_the_processed_distribution(sampler, student, p
             assert np.isfinite(expected[token]), "a token outside the top-k / top-p set was sampled"
             assert abs(r.logprobs[t] - expected[token]) <= 1e-3, (i, t, r.logprobs[t], expected[token])
             checked += 1
-    raw = np.concatenate([gathered(forward_logprobs(model, prompts[i // 2], r.token_ids), r.token_ids)
-                          for i, r in enumerate(responses)])
+    raw = np.concatenate(
+        [gathered(forward_logprobs(model, prompts[i // 2], r.token_ids), r.token_ids) for i, r in enumerate(responses)]
+    )
     behavior = np.concatenate([r.logprobs for r in responses])
     assert checked > 20 and np.abs(behavior - raw).max() > 0.1  # the raw log-probs would have been wrong
 
@@ -206,13 +210,30 @@ def test_scorer_refuses_what_it_cannot_do(scorer, tokenizer):
 
 def test_two_teachers_with_routing_on_the_vllm_scorer(scorer, teacher, tokenizer, local_store):
     """Routing sends each row to one teacher; both parts equal the HF scorer and record the engine that made them."""
-    local_store.ensure_run(student=str(teacher), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-                           vocab_size=len(tokenizer))
+    local_store.ensure_run(
+        student=str(teacher), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer)
+    )
     run = local_store.require_run()
-    write_random_rollout_shard(local_store, shard_id="v000000-w00-000000", num_rows=5, vocab_size=len(tokenizer),
-                               max_response=8, seed=1, run=run, data_source="math")
-    write_random_rollout_shard(local_store, shard_id="v000000-w00-000001", num_rows=4, vocab_size=len(tokenizer),
-                               max_response=8, seed=2, run=run, data_source="code")
+    write_random_rollout_shard(
+        local_store,
+        shard_id="v000000-w00-000000",
+        num_rows=5,
+        vocab_size=len(tokenizer),
+        max_response=8,
+        seed=1,
+        run=run,
+        data_source="math",
+    )
+    write_random_rollout_shard(
+        local_store,
+        shard_id="v000000-w00-000001",
+        num_rows=4,
+        vocab_size=len(tokenizer),
+        max_response=8,
+        seed=2,
+        run=run,
+        data_source="code",
+    )
     routing = {"math": "tA", "code": "tB"}
     for name in ("tA", "tB"):
         cfg = AnnotateConfig(teacher=str(teacher), teacher_name=name, engine="vllm", top_k=8, routing=routing)
@@ -234,14 +255,23 @@ def test_two_teachers_with_routing_on_the_vllm_scorer(scorer, teacher, tokenizer
 
 
 # ---------------------------------------------------------------- policy reload
-def test_rollout_worker_reloads_each_published_version_in_place(sampler, student, tiny_model_factory, tokenizer,
-                                                                 local_store, tmp_path, monkeypatch):
+def test_rollout_worker_reloads_each_published_version_in_place(
+    sampler, student, tiny_model_factory, tokenizer, local_store, tmp_path, monkeypatch
+):
     """A following worker on vLLM stays up while v1 and v2 are published: each version's shards carry log-probs
     of that version's weights, and both reloads went through the workers' reload_weights (no engine start)."""
     from tests.test_rollout import questions, write_prompts
 
-    versions = [student] + [tiny_model_factory("vstudent", seed=10 + v, eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id, **VLLM_MODEL) for v in (1, 2)]
+    versions = [student] + [
+        tiny_model_factory(
+            "vstudent",
+            seed=10 + v,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **VLLM_MODEL,
+        )
+        for v in (1, 2)
+    ]
     sampler.load_policy(student)  # the shared engine starts this test at version 0
     reloads_before = len(sampler.reloads)
     started = {}
@@ -251,10 +281,19 @@ def test_rollout_worker_reloads_each_published_version_in_place(sampler, student
         started["path"] = model_path
         return sampler
 
-    monkeypatch.setattr("opd_cache.rollout.make_engine", shared_engine)
-    cfg = RolloutConfig(student=str(student), prompts=str(write_prompts(tmp_path / "p.jsonl", questions(40))),
-                        engine="vllm", n=2, batch_prompts=2, flush_rows=4, follow=True, poll_seconds=0.05,
-                        max_buffer_samples=4, sampling=SamplingConfig(max_new_tokens=8))
+    monkeypatch.setattr("opd_cache.rollout.worker.make_engine", shared_engine)
+    cfg = RolloutConfig(
+        student=str(student),
+        prompts=str(write_prompts(tmp_path / "p.jsonl", questions(40))),
+        engine="vllm",
+        n=2,
+        batch_prompts=2,
+        flush_rows=4,
+        follow=True,
+        poll_seconds=0.05,
+        max_buffer_samples=4,
+        sampling=SamplingConfig(max_new_tokens=8),
+    )
     stop, result = threading.Event(), {}
     worker = threading.Thread(target=lambda: result.update(r=run_rollout(cfg, local_store, stop=stop)), daemon=True)
     worker.start()
@@ -271,8 +310,9 @@ def test_rollout_worker_reloads_each_published_version_in_place(sampler, student
         for version in (1, 2):
             local_store.publish_policy(version, versions[version])
             consumed += 8
-            local_store.write_progress({"step": version, "policy_version": version, "consumed_samples": consumed,
-                                        "expired_samples": 0})
+            local_store.write_progress(
+                {"step": version, "policy_version": version, "consumed_samples": consumed, "expired_samples": 0}
+            )
             wait_for_shard_of(version)
         local_store.mark_done()
         worker.join(timeout=120)
@@ -288,19 +328,25 @@ def test_rollout_worker_reloads_each_published_version_in_place(sampler, student
         assert (meta.engine, meta.model_dtype) == ("vllm", "float32")
         seen.add(meta.policy_version)
         for row in table.to_pylist():
-            own = gathered(forward_logprobs(models[meta.policy_version], row["prompt_ids"], row["response_ids"]),
-                           row["response_ids"])
+            own = gathered(
+                forward_logprobs(models[meta.policy_version], row["prompt_ids"], row["response_ids"]),
+                row["response_ids"],
+            )
             np.testing.assert_allclose(row["behavior_logprobs"], own, rtol=0, atol=1e-3)
             other = models[(meta.policy_version + 1) % 3]
-            assert not np.allclose(row["behavior_logprobs"], gathered(
-                forward_logprobs(other, row["prompt_ids"], row["response_ids"]), row["response_ids"]), atol=1e-2)
+            assert not np.allclose(
+                row["behavior_logprobs"],
+                gathered(forward_logprobs(other, row["prompt_ids"], row["response_ids"]), row["response_ids"]),
+                atol=1e-2,
+            )
     assert seen == {0, 1, 2}
 
 
 def test_reload_by_recreating_the_engine(sampler, tiny_model_factory, tokenizer, prompts):
     """The fallback path: shut the engine down and start a new one from the new checkpoint (still float32)."""
-    new = tiny_model_factory("vstudent", seed=20, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, **VLLM_MODEL)
+    new = tiny_model_factory(
+        "vstudent", seed=20, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **VLLM_MODEL
+    )
     old_llm = sampler.llm
     sampler.reload = "recreate"
     sampler.load_policy(new)
@@ -308,5 +354,6 @@ def test_reload_by_recreating_the_engine(sampler, tiny_model_factory, tokenizer,
     assert sampler.info.dtype == "float32"
     model = load_causal_lm(new)
     for i, r in enumerate(sampler.generate(prompts, 1, SamplingConfig(max_new_tokens=10), seed=4)):
-        np.testing.assert_allclose(r.logprobs, gathered(forward_logprobs(model, prompts[i], r.token_ids), r.token_ids),
-                                   rtol=0, atol=1e-3)
+        np.testing.assert_allclose(
+            r.logprobs, gathered(forward_logprobs(model, prompts[i], r.token_ids), r.token_ids), rtol=0, atol=1e-3
+        )

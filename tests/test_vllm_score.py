@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from opd_cache.engines.vllm_score import convert_prompt_logprobs
+from opd_cache.annotate.vllm_score import convert_prompt_logprobs
 
 
 @dataclass
@@ -100,6 +100,7 @@ def test_conversion_accepts_vllms_own_logprob_objects():
     from vllm.logprobs import Logprob
 
     tokens, logprobs = make_case(3, 2, 8)
-    ids, lps, tok = convert_prompt_logprobs(fake_prompt_logprobs(logprobs, tokens, 4, logprob_cls=Logprob), 2,
-                                            tokens[2:], 4)
+    ids, lps, tok = convert_prompt_logprobs(
+        fake_prompt_logprobs(logprobs, tokens, 4, logprob_cls=Logprob), 2, tokens[2:], 4
+    )
     np.testing.assert_array_equal(tok, logprobs[np.arange(2, 10), tokens[2:]])

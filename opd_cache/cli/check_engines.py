@@ -15,7 +15,6 @@ above --tolerance.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import numpy as np
 import torch
@@ -40,7 +39,9 @@ DEFAULT_PROMPTS = [
 def check_engines_command(
     model: str = typer.Option(..., "--model", help="Checkpoint folder (safetensors) to load in both engines."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 (both engines)."),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="Prompt file (JSONL/parquet) instead of the built-in prompts."),
+    prompts: str | None = typer.Option(
+        None, "--prompts", help="Prompt file (JSONL/parquet) instead of the built-in prompts."
+    ),
     num_prompts: int = typer.Option(8, "--num-prompts", min=1, help="How many prompts to use."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1, help="Tokens sampled per prompt."),
     top_k: int = typer.Option(8, "--top-k", min=1, help="Top-k log-probs compared per position."),
@@ -49,12 +50,12 @@ def check_engines_command(
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
 ) -> None:
     """Sample and score the same prompts with HF and vLLM; print the largest log-prob difference."""
+    from opd_cache.annotate.hf_score import HFScorer
     from opd_cache.config import SamplingConfig
-    from opd_cache.engines import torch_dtype
-    from opd_cache.engines.hf_generate import HFGenerator
-    from opd_cache.engines.hf_score import HFScorer
-    from opd_cache.engines.vllm_common import import_vllm
+    from opd_cache.engine import torch_dtype
+    from opd_cache.rollout.hf_generate import HFGenerator
     from opd_cache.tokenizer import load_tokenizer
+    from opd_cache.vllm_common import import_vllm
 
     torch_dtype(dtype)  # a bad name fails before any model loads
     vllm = import_vllm()
@@ -74,17 +75,28 @@ def check_engines_command(
 
     import transformers
 
-    console.print(f"check-engines {model}: dtype {dtype}, {len(prompt_ids)} prompts x {max_new_tokens} tokens, "
-                  f"top-{top_k}; vllm {vllm.__version__}, transformers {transformers.__version__}", soft_wrap=True)
-    from opd_cache.engines.vllm_generate import VLLMGenerator
-    from opd_cache.engines.vllm_score import VLLMScorer
+    console.print(
+        f"check-engines {model}: dtype {dtype}, {len(prompt_ids)} prompts x {max_new_tokens} tokens, "
+        f"top-{top_k}; vllm {vllm.__version__}, transformers {transformers.__version__}",
+        soft_wrap=True,
+    )
+    from opd_cache.annotate.vllm_score import VLLMScorer
+    from opd_cache.rollout.vllm_generate import VLLMGenerator
 
     console.print("starting the vLLM engine (a minute or more)...")
     v_sampler = VLLMGenerator(model, dtype=dtype, seed=seed, max_logprobs=max(top_k, 1))
     v_scorer = VLLMScorer(model, max_top_k=top_k, model_dtype=dtype, llm=v_sampler.llm)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    hf_sampler = HFGenerator(model, tokenizer=tokenizer, device=device, dtype=dtype, eos_token_ids=eos,
-                             pad_token_id=tokenizer.pad_token_id, vocab_limit=len(tokenizer), seed=seed)
+    hf_sampler = HFGenerator(
+        model,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+        eos_token_ids=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        vocab_limit=len(tokenizer),
+        seed=seed,
+    )
     hf_scorer = HFScorer(hf_sampler.model)
     with torch.inference_mode():
         rows, ids_agree = _compare(v_sampler, v_scorer, hf_sampler, hf_scorer, prompt_ids, sampling, top_k, seed)
@@ -106,20 +118,35 @@ def _compare(v_sampler, v_scorer, hf_sampler, hf_scorer, prompt_ids, sampling, t
     # 1. vLLM samples, HF scores the sampled tokens
     v_out = v_sampler.generate(prompt_ids, 1, sampling, seed=seed)
     hf_of_v = hf_scorer.score(as_arrays(prompt_ids), as_arrays([r.token_ids for r in v_out]), 1)
-    rows.append(("rollout: vLLM samples, HF scores", _max_diff(np.concatenate([r.logprobs for r in v_out]),
-                                                                hf_of_v.token_logprob), int(hf_of_v.num_tokens)))
+    rows.append(
+        (
+            "rollout: vLLM samples, HF scores",
+            _max_diff(np.concatenate([r.logprobs for r in v_out]), hf_of_v.token_logprob),
+            int(hf_of_v.num_tokens),
+        )
+    )
     # 2. HF samples, vLLM scores the sampled tokens
     hf_out = hf_sampler.generate(prompt_ids, 1, sampling, seed=seed)
     v_of_hf = v_scorer.score(as_arrays(prompt_ids), as_arrays([r.token_ids for r in hf_out]), 1)
-    rows.append(("rollout: HF samples, vLLM scores", _max_diff(np.concatenate([r.logprobs for r in hf_out]),
-                                                                v_of_hf.token_logprob), int(v_of_hf.num_tokens)))
+    rows.append(
+        (
+            "rollout: HF samples, vLLM scores",
+            _max_diff(np.concatenate([r.logprobs for r in hf_out]), v_of_hf.token_logprob),
+            int(v_of_hf.num_tokens),
+        )
+    )
     # 3. both score the same sequences (vLLM's samples) with top-k
     responses = as_arrays([r.token_ids for r in v_out])
     v_top = v_scorer.score(as_arrays(prompt_ids), responses, top_k)
     hf_top = hf_scorer.score(as_arrays(prompt_ids), responses, top_k)
     ids_agree = float((v_top.topk_ids == hf_top.topk_ids).mean()) if hf_top.num_tokens else 1.0
-    rows.append((f"annotate: top-{top_k} log-probs, vLLM vs HF", _max_diff(v_top.topk_logprobs, hf_top.topk_logprobs),
-                 int(hf_top.num_tokens)))
+    rows.append(
+        (
+            f"annotate: top-{top_k} log-probs, vLLM vs HF",
+            _max_diff(v_top.topk_logprobs, hf_top.topk_logprobs),
+            int(hf_top.num_tokens),
+        )
+    )
     return rows, ids_agree
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -50,7 +51,7 @@ def user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-def stage_config(config: Optional[Path], sets: Optional[list[str]], **flags: Any) -> Config:
+def stage_config(config: Path | None, sets: list[str] | None, **flags: Any) -> Config:
     """Config from the YAML file, then the stage's flags (dotted keys, None = not given), then --set."""
     return load_config(config, overrides=flags, sets=sets)
 

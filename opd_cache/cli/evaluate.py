@@ -6,7 +6,6 @@ import json
 import signal
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -21,19 +20,24 @@ def _interrupt(signum, frame):
 @user_errors
 def eval_command(
     model: str = typer.Option(..., "--model", help="Checkpoint folder, or a store (evaluates its newest version)."),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="Prompt file (parquet/JSONL/datasets folder)."),
-    teacher: Optional[str] = typer.Option(None, "--teacher", help="Teacher checkpoint: also report KL(teacher ‖ student)."),
-    n: Optional[int] = typer.Option(None, "--n", help="Samples per prompt (mean@n); implies --sample."),
-    greedy: Optional[bool] = typer.Option(None, "--greedy/--sample", help="Greedy decoding (default) or sampling."),
-    max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Evaluate the first N prompts."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
+    prompts: str | None = typer.Option(None, "--prompts", help="Prompt file (parquet/JSONL/datasets folder)."),
+    teacher: str | None = typer.Option(
+        None, "--teacher", help="Teacher checkpoint: also report KL(teacher ‖ student)."
+    ),
+    n: int | None = typer.Option(None, "--n", help="Samples per prompt (mean@n); implies --sample."),
+    greedy: bool | None = typer.Option(None, "--greedy/--sample", help="Greedy decoding (default) or sampling."),
+    max_prompts: int | None = typer.Option(None, "--max-prompts", help="Evaluate the first N prompts."),
+    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens"),
     device: str = typer.Option("auto", "--device"),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-    follow: bool = typer.Option(False, "--follow", help="With a store: evaluate each published version into "
-                                "metrics/eval-0.jsonl until training is done."),
+    follow: bool = typer.Option(
+        False,
+        "--follow",
+        help="With a store: evaluate each published version into metrics/eval-0.jsonl until training is done.",
+    ),
     every: int = typer.Option(1, "--every", help="With --follow: every N-th version (and the last)."),
-    config: Optional[Path] = ConfigOpt,
-    sets: Optional[list[str]] = SetOpt,
+    config: Path | None = ConfigOpt,
+    sets: list[str] | None = SetOpt,
 ) -> None:
     """Evaluate a student on held-out prompts."""
     from opd_cache.evaluate import _subset, evaluate_model, evaluate_store, load_teacher, resolve_model
@@ -44,9 +48,18 @@ def eval_command(
 
     if n is not None and n > 1 and greedy:
         raise ValueError("--n > 1 needs --sample (greedy decoding gives the same answer n times)")
-    full = stage_config(config, sets, **{"eval.prompts": prompts, "eval.teacher": teacher, "eval.n": n,
-                                         "eval.greedy": greedy if greedy is not None else (False if n and n > 1 else None),
-                                         "eval.max_prompts": max_prompts, "eval.max_new_tokens": max_new_tokens})
+    full = stage_config(
+        config,
+        sets,
+        **{
+            "eval.prompts": prompts,
+            "eval.teacher": teacher,
+            "eval.n": n,
+            "eval.greedy": greedy if greedy is not None else (False if n and n > 1 else None),
+            "eval.max_prompts": max_prompts,
+            "eval.max_new_tokens": max_new_tokens,
+        },
+    )
     cfg = full.eval
     if cfg.prompts is None:
         raise ValueError("--prompts is required (or eval.prompts in --config)")
@@ -60,15 +73,32 @@ def eval_command(
         if store is None:
             raise ValueError("--follow needs --model to be a store (a folder with run.json, or a URI)")
         # train.report_to: the evaluator logs its results to the run's trackers too, as job "eval"
-        tracker = Tracker(full.train.report_to, store=store, run_id=store.require_run()["run_id"], job="eval",
-                          config=full.model_dump(mode="json")) if full.train.report_to else None
+        tracker = (
+            Tracker(
+                full.train.report_to,
+                store=store,
+                run_id=store.require_run()["run_id"],
+                job="eval",
+                config=full.model_dump(mode="json"),
+            )
+            if full.train.report_to
+            else None
+        )
         previous = signal.getsignal(signal.SIGTERM)
         if tracker is not None:  # `opd run` stops its stages with SIGTERM: close the tracker (W&B flushes) first
             signal.signal(signal.SIGTERM, _interrupt)
         try:
-            evaluate_store(store, cfg.prompts, teacher_path=cfg.teacher, max_prompts=cfg.max_prompts,
-                           max_new_tokens=cfg.max_new_tokens, every=every, device=device,
-                           echo=lambda line: console.print(line, highlight=False), tracker=tracker)
+            evaluate_store(
+                store,
+                cfg.prompts,
+                teacher_path=cfg.teacher,
+                max_prompts=cfg.max_prompts,
+                max_new_tokens=cfg.max_new_tokens,
+                every=every,
+                device=device,
+                echo=lambda line: console.print(line, highlight=False),
+                tracker=tracker,
+            )
         finally:
             if tracker is not None:
                 tracker.close()
@@ -77,13 +107,23 @@ def eval_command(
     tokenizer = load_tokenizer(path)
     prompt_set = _subset(load_prompts(cfg.prompts, tokenizer), cfg.max_prompts)
     teacher_model = load_teacher(cfg.teacher, tokenizer, device) if cfg.teacher else None
-    result = evaluate_model(path, prompt_set, tokenizer, teacher=teacher_model, n=cfg.n, greedy=cfg.greedy,
-                            max_new_tokens=cfg.max_new_tokens, device=device)
+    result = evaluate_model(
+        path,
+        prompt_set,
+        tokenizer,
+        teacher=teacher_model,
+        n=cfg.n,
+        greedy=cfg.greedy,
+        max_new_tokens=cfg.max_new_tokens,
+        device=device,
+    )
     out = {"model": str(path), "version": version, **asdict(result)}
     if as_json:
         print(json.dumps(out))
         return
     console.print(f"[bold]{path}[/]" + (f" (version {version})" if version is not None else ""))
-    console.print(f"  prompts {result.num_prompts} × {result.n}   strict {result.strict:.3f}   "
-                  f"lenient {result.lenient:.3f}" + (f"   KL {result.kl:.4f}" if result.kl is not None else ""))
+    console.print(
+        f"  prompts {result.num_prompts} × {result.n}   strict {result.strict:.3f}   "
+        f"lenient {result.lenient:.3f}" + (f"   KL {result.kl:.4f}" if result.kl is not None else "")
+    )
     console.print(f"  first answer: {result.example!r}", highlight=False)

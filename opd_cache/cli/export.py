@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -18,10 +16,11 @@ def export_command(
     to: str = typer.Option(..., "--to", help="Output folder (path or URI); must be new or empty."),
     fmt: str = typer.Option("parquet", "--format", help="parquet (zstd) or arrow (an Arrow IPC stream per teacher)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier `opd export` in --to."),
-    tokenizer_path: Optional[str] = typer.Option(None, "--tokenizer",
-                                                 help="Local tokenizer folder to decode text (default: the run's student)."),
+    tokenizer_path: str | None = typer.Option(
+        None, "--tokenizer", help="Local tokenizer folder to decode text (default: the run's student)."
+    ),
     no_text: bool = typer.Option(False, "--no-text", help="Skip decoding: prompt/response text columns stay null."),
-    teacher: Optional[list[str]] = typer.Option(None, "--teacher", help="Export only this teacher (repeatable)."),
+    teacher: list[str] | None = typer.Option(None, "--teacher", help="Export only this teacher (repeatable)."),
 ) -> None:
     """Join every rollout shard with its teachers' parts and write one table per teacher under --to.
 
@@ -35,8 +34,13 @@ def export_command(
 
     source = Store(store)
     plain = Every() if not err_console.is_terminal else None
-    columns = [TextColumn("[bold]export[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"),
-               TimeElapsedColumn()]
+    columns = [
+        TextColumn("[bold]export[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("shards"),
+        TimeElapsedColumn(),
+    ]
     with Progress(*columns, console=err_console, disable=plain is not None) as progress:
         task = progress.add_task("export", total=None)
 
@@ -45,12 +49,28 @@ def export_command(
             if plain is not None and (plain.due() or done == total):
                 err_console.print(f"export: {done}/{total} shards ({shard_id})", highlight=False)
 
-        result = export_store(source, to, fmt=fmt, overwrite=overwrite, tokenizer_path=tokenizer_path,
-                              text=not no_text, teachers=teacher or None, on_shard=on_shard)
+        result = export_store(
+            source,
+            to,
+            fmt=fmt,
+            overwrite=overwrite,
+            tokenizer_path=tokenizer_path,
+            text=not no_text,
+            teachers=teacher or None,
+            on_shard=on_shard,
+        )
     for name, totals in result.teachers.items():
-        console.print(f"{result.files[name]}: {totals.rows} rows, {totals.tokens} response tokens, "
-                      f"top-{totals.top_k} ({totals.topk_logprob_dtype} in the store)"
-                      + (f"; {totals.shards_without_part} rollout shards not annotated by {name}, left out"
-                         if totals.shards_without_part else ""), highlight=False, soft_wrap=True)
-    console.print(f"exported {result.shards} shards in {duration(result.seconds)} to {result.to}", highlight=False,
-                  soft_wrap=True)
+        console.print(
+            f"{result.files[name]}: {totals.rows} rows, {totals.tokens} response tokens, "
+            f"top-{totals.top_k} ({totals.topk_logprob_dtype} in the store)"
+            + (
+                f"; {totals.shards_without_part} rollout shards not annotated by {name}, left out"
+                if totals.shards_without_part
+                else ""
+            ),
+            highlight=False,
+            soft_wrap=True,
+        )
+    console.print(
+        f"exported {result.shards} shards in {duration(result.seconds)} to {result.to}", highlight=False, soft_wrap=True
+    )

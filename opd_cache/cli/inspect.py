@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -40,10 +39,14 @@ def _find_store_root(shard: str) -> Store | None:
 
 def describe_shard(shard: str) -> dict:
     _, _, table, meta = open_shard(shard)
-    info = {"path": shard, "metadata": {k: v for k, v in vars(meta).items()},
-            # every key as stored, whichever stage added it (engine, dtype, checksum, the rollout cursor, ...)
-            "schema_metadata": schema_metadata(table),
-            "rows": table.num_rows, "columns": table.schema.names}
+    info = {
+        "path": shard,
+        "metadata": {k: v for k, v in vars(meta).items()},
+        # every key as stored, whichever stage added it (engine, dtype, checksum, the rollout cursor, ...)
+        "schema_metadata": schema_metadata(table),
+        "rows": table.num_rows,
+        "columns": table.schema.names,
+    }
     if meta.kind == ROLLOUT:
         prompt_len, response_len = list_lengths(table["prompt_ids"]), list_lengths(table["response_ids"])
         info["prompt_tokens"] = int(prompt_len.sum())
@@ -95,9 +98,21 @@ def summarize_store(store: Store, on_file=None) -> dict:
         for teacher in sorted(parts.get(shard.shard_id, ())):
             rel = store.annotated_path(shard.shard_id, teacher)
             part, meta = read_shard(store, rel)
-            t = teachers.setdefault(teacher, {"parts": 0, "rows": 0, "tokens": 0, "bytes": 0, "decoded_bytes": 0,
-                                              "top_k": set(), "topk_logprob_dtype": set(), "engine": set(),
-                                              "codec": set(), "policy_versions": set()})
+            t = teachers.setdefault(
+                teacher,
+                {
+                    "parts": 0,
+                    "rows": 0,
+                    "tokens": 0,
+                    "bytes": 0,
+                    "decoded_bytes": 0,
+                    "top_k": set(),
+                    "topk_logprob_dtype": set(),
+                    "engine": set(),
+                    "codec": set(),
+                    "policy_versions": set(),
+                },
+            )
             lp = part.schema.field("teacher_topk_logprobs").type.value_type
             t["parts"] += 1
             t["rows"] += part.num_rows
@@ -109,7 +124,9 @@ def summarize_store(store: Store, on_file=None) -> dict:
             t["topk_logprob_dtype"].add(np.dtype(lp.value_type.to_pandas_dtype()).name)
             t["policy_versions"].add(shard.policy_version)
             stored = {k.decode(): v.decode() for k, v in (part.schema.metadata or {}).items()}
-            engine = " ".join(stored[key] for key in (META_ENGINE, META_ENGINE_VERSION, META_MODEL_DTYPE) if key in stored)
+            engine = " ".join(
+                stored[key] for key in (META_ENGINE, META_ENGINE_VERSION, META_MODEL_DTYPE) if key in stored
+            )
             if engine:
                 t["engine"].add(engine)
             if on_file:
@@ -122,30 +139,51 @@ def summarize_store(store: Store, on_file=None) -> dict:
         t["decoded_bytes_per_token"] = t["decoded_bytes"] / t["tokens"] if t["tokens"] else None
         for key in ("top_k", "topk_logprob_dtype", "engine", "codec", "policy_versions"):
             t[key] = sorted(t[key])
-    return {"store": store.path(""), "run_id": run.get("run_id"), "student": run.get("student"),
-            "policy_versions": sorted({s.policy_version for s in shards}),
-            "published_versions": store.policy_versions(), "rollouts": rollout, "teachers": teachers}
+    return {
+        "store": store.path(""),
+        "run_id": run.get("run_id"),
+        "student": run.get("student"),
+        "policy_versions": sorted({s.policy_version for s in shards}),
+        "published_versions": store.policy_versions(),
+        "rollouts": rollout,
+        "teachers": teachers,
+    }
 
 
 def print_store_summary(summary: dict) -> None:
-    console.print(f"[bold]{summary['store']}[/] (run {summary['run_id']}, student {summary['student']})",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"[bold]{summary['store']}[/] (run {summary['run_id']}, student {summary['student']})",
+        highlight=False,
+        soft_wrap=True,
+    )
     r = summary["rollouts"]
     versions = summary["policy_versions"]
-    console.print(f"  rollouts: {r['shards']} shards, {r['rows']} rows, {r['response_tokens']} response tokens, "
-                  f"{r['bytes']} bytes", highlight=False)
-    console.print(f"  policy versions in rollouts: {_ranges(versions) or 'none'}; published: "
-                  f"{_ranges(summary['published_versions']) or 'none'}", highlight=False)
+    console.print(
+        f"  rollouts: {r['shards']} shards, {r['rows']} rows, {r['response_tokens']} response tokens, "
+        f"{r['bytes']} bytes",
+        highlight=False,
+    )
+    console.print(
+        f"  policy versions in rollouts: {_ranges(versions) or 'none'}; published: "
+        f"{_ranges(summary['published_versions']) or 'none'}",
+        highlight=False,
+    )
     if not summary["teachers"]:
         console.print("  no annotations yet (run `opd annotate`)", highlight=False)
     for name, t in summary["teachers"].items():
-        bpt = "-" if t["bytes_per_token"] is None else \
-            f"{t['bytes_per_token']:.1f} bytes/token stored, {t['decoded_bytes_per_token']:.1f} decoded"
-        console.print(f"  teacher {name}: k={'/'.join(map(str, t['top_k']))}, {t['parts']} parts, {t['rows']} rows, "
-                      f"{t['tokens']} tokens, {t['bytes']} bytes ({bpt}), codec {'/'.join(t['codec'])}, top-k log-probs "
-                      f"{'/'.join(t['topk_logprob_dtype'])}, versions "
-                      f"{_ranges(t['policy_versions'])}" + (f", engine {'; '.join(t['engine'])}" if t["engine"] else ""),
-                      highlight=False, soft_wrap=True)
+        bpt = (
+            "-"
+            if t["bytes_per_token"] is None
+            else f"{t['bytes_per_token']:.1f} bytes/token stored, {t['decoded_bytes_per_token']:.1f} decoded"
+        )
+        console.print(
+            f"  teacher {name}: k={'/'.join(map(str, t['top_k']))}, {t['parts']} parts, {t['rows']} rows, "
+            f"{t['tokens']} tokens, {t['bytes']} bytes ({bpt}), codec {'/'.join(t['codec'])}, top-k log-probs "
+            f"{'/'.join(t['topk_logprob_dtype'])}, versions "
+            f"{_ranges(t['policy_versions'])}" + (f", engine {'; '.join(t['engine'])}" if t["engine"] else ""),
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _ranges(values: list[int]) -> str:
@@ -163,11 +201,16 @@ def _ranges(values: list[int]) -> str:
 @app.command("inspect")
 @user_errors
 def inspect_command(
-    shard: str = typer.Argument(..., help="Path or URI of a rollout or annotated shard (.arrow), or of a store "
-                                          "(a folder with run.json) for a summary of the whole cache."),
+    shard: str = typer.Argument(
+        ...,
+        help="Path or URI of a rollout or annotated shard (.arrow), or of a store "
+        "(a folder with run.json) for a summary of the whole cache.",
+    ),
     sample: int = typer.Option(0, "--sample", help="Which row to show."),
-    tokenizer_path: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer to decode ids (default: the run's student)."),
-    teacher: Optional[str] = typer.Option(None, "--teacher", help="Teacher part to show per token (default: the first)."),
+    tokenizer_path: str | None = typer.Option(
+        None, "--tokenizer", help="Tokenizer to decode ids (default: the run's student)."
+    ),
+    teacher: str | None = typer.Option(None, "--teacher", help="Teacher part to show per token (default: the first)."),
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
 ) -> None:
     """Print a shard's metadata, row and token counts, and one sample; or, given a store, a summary of it."""
@@ -284,8 +327,11 @@ def print_token_view(row: dict, part: tuple[str, pa.Table], tokenizer) -> None:
         s, p = row["behavior_logprobs"][t], ann["teacher_token_logprob"][t]
         gap = p - s
         colour = "green" if gap > -0.5 else "yellow" if gap > -2.0 else "red"
-        alternatives = ", ".join(f"{decode(i)} {np.exp(lp):.2f}" for i, lp in
-                                 zip(ann["teacher_topk_ids"][t][:3], ann["teacher_topk_logprobs"][t][:3]))
-        view.add_row(str(t), f"[{colour}]{decode(token)}[/]", f"{s:.3f}", f"{p:.3f}", f"[{colour}]{gap:+.3f}[/]",
-                     alternatives)
+        alternatives = ", ".join(
+            f"{decode(i)} {np.exp(lp):.2f}"
+            for i, lp in zip(ann["teacher_topk_ids"][t][:3], ann["teacher_topk_logprobs"][t][:3])
+        )
+        view.add_row(
+            str(t), f"[{colour}]{decode(token)}[/]", f"{s:.3f}", f"{p:.3f}", f"[{colour}]{gap:+.3f}[/]", alternatives
+        )
     console.print(view)

@@ -21,15 +21,18 @@ def flat_layout_moves(store) -> list[tuple[str, str]]:
     moves = []
     prefix = store.path("annotated") + "/"
     for info in store.list_files("annotated", recursive=True):
-        names = info.path[len(prefix):].split("/")
+        names = info.path[len(prefix) :].split("/")
         if len(names) == 2 and names[1].endswith(".arrow"):
             try:
                 new = store.annotated_path(names[0], names[1][: -len(".arrow")])
             except ValueError:
                 continue  # not a shard's part: left where it is
             moves.append((f"annotated/{names[0]}/{names[1]}", new))
-    moves += [(s.path, store.rollout_path(s.shard_id)) for s in store.list_rollout_shards()
-              if s.path != store.rollout_path(s.shard_id)]
+    moves += [
+        (s.path, store.rollout_path(s.shard_id))
+        for s in store.list_rollout_shards()
+        if s.path != store.rollout_path(s.shard_id)
+    ]
     return moves
 
 
@@ -57,8 +60,12 @@ def migrate_command(
     s.require_run()
     moves = flat_layout_moves(s)
     if dry_run or not moves:
-        console.print(f"{s.uri}: {len(moves)} files to move into version partitions" + ("" if moves else
-                      " (the store is already in the partitioned layout)"), highlight=False, soft_wrap=True)
+        console.print(
+            f"{s.uri}: {len(moves)} files to move into version partitions"
+            + ("" if moves else " (the store is already in the partitioned layout)"),
+            highlight=False,
+            soft_wrap=True,
+        )
         return
     for i, (old, new) in enumerate(moves, 1):
         move_file(s, old, new)

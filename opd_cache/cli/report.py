@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -21,8 +20,9 @@ def default_report_dir(store: str) -> Path:
 @user_errors
 def report_command(
     store: str = typer.Option(..., "--store", help="Store directory or URI."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: plots/ beside the store, as "
-                                       "opd demo; ./plots for a remote store)."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Output folder (default: plots/ beside the store, as opd demo; ./plots for a remote store)."
+    ),
 ) -> None:
     """Write PNG plots (loss, masses/overlap, accuracy, staleness, throughput) and report.md."""
     from opd_cache.report import summary_lines, write_report
@@ -36,7 +36,12 @@ def report_command(
         console.print(line, highlight=False, soft_wrap=True)
     for r in summary["eval"][-1:]:
         kl = "" if r["kl"] is None else f", KL {r['kl']:.4g}"
-        console.print(f"- latest eval (v{r['version']}): strict {r['strict']:.3f}, lenient {r['lenient']:.3f}{kl}",
-                      highlight=False)
-    console.print(f"wrote {out / 'report.md'} and {len(summary['plots'])} plots: {', '.join(summary['plots'])}",
-                  highlight=False, soft_wrap=True)
+        console.print(
+            f"- latest eval (v{r['version']}): strict {r['strict']:.3f}, lenient {r['lenient']:.3f}{kl}",
+            highlight=False,
+        )
+    console.print(
+        f"wrote {out / 'report.md'} and {len(summary['plots'])} plots: {', '.join(summary['plots'])}",
+        highlight=False,
+        soft_wrap=True,
+    )

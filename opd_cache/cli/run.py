@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -17,13 +16,16 @@ def default_logs_dir(store_uri: str) -> Path:
 @app.command("run")
 @user_errors
 def run_command(
-    store: Optional[str] = typer.Option(None, "--store", help="Store directory or URI (default: store.uri of the config)."),
+    store: str | None = typer.Option(
+        None, "--store", help="Store directory or URI (default: store.uri of the config)."
+    ),
     sync: bool = typer.Option(False, "--sync", help="Lockstep generate -> annotate -> train (max_staleness 0)."),
-    logs: Optional[Path] = typer.Option(None, "--logs", help="Folder for the stages' logs and the resolved config."),
-    quiet: bool = typer.Option(False, "--quiet", help="No live dashboard (on a terminal) or progress lines "
-                               "(otherwise: one every ~10 s)."),
-    config: Optional[Path] = ConfigOpt,
-    sets: Optional[list[str]] = SetOpt,
+    logs: Path | None = typer.Option(None, "--logs", help="Folder for the stages' logs and the resolved config."),
+    quiet: bool = typer.Option(
+        False, "--quiet", help="No live dashboard (on a terminal) or progress lines (otherwise: one every ~10 s)."
+    ),
+    config: Path | None = ConfigOpt,
+    sets: list[str] | None = SetOpt,
 ) -> None:
     """Start rollout, annotate, train and an evaluator as processes on one store, until training finishes."""
     from opd_cache.run import supervise, sync_overrides, write_resolved_config
@@ -42,9 +44,10 @@ def demo_command(
     out: Path = typer.Option(Path("runs/demo"), "--out", help="Run directory (store, logs, plots, summary.json)."),
     seed: int = typer.Option(0, "--seed"),
     quiet: bool = typer.Option(False, "--quiet", help="No live dashboard or progress lines."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the previous demo in --out (its store, "
-                                   "logs, plots and summary.json)."),
-    sets: Optional[list[str]] = SetOpt,
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace the previous demo in --out (its store, logs, plots and summary.json)."
+    ),
+    sets: list[str] | None = SetOpt,
 ) -> None:
     """On-policy distillation on the synthetic arithmetic task, on the CPU, in minutes."""
     from opd_cache.demo import run_demo

@@ -13,8 +13,9 @@ from opd_cache.cli.common import app, console, err_console, user_errors
 @app.command("verify")
 @user_errors
 def verify_command(
-    store: str = typer.Argument(..., help="Store directory or URI (s3://bucket/prefix: set OPD_S3_ENDPOINT for "
-                                          "S3-compatible servers)."),
+    store: str = typer.Argument(
+        ..., help="Store directory or URI (s3://bucket/prefix: set OPD_S3_ENDPOINT for S3-compatible servers)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Check every rollout shard, annotated part, policy version and resume state against its checksum.
@@ -43,8 +44,12 @@ def verify_command(
             console.print(f"[bold red]{status}[/] {escape(rel)}: {escape(reason)}", highlight=False, soft_wrap=True)
         for name, reason in sorted(report.quarantined.items()):
             console.print(f"[yellow]quarantined[/] {escape(name)}: {escape(reason)}", highlight=False, soft_wrap=True)
-        console.print(f"{s.path('')}: {report.ok} ok, {report.count('corrupt')} corrupt, {report.count('missing')} "
-                      f"missing, {report.unchecked} without checksum (written before checksums); "
-                      f"{len(report.quarantined)} in quarantine/", highlight=False, soft_wrap=True)
+        console.print(
+            f"{s.path('')}: {report.ok} ok, {report.count('corrupt')} corrupt, {report.count('missing')} "
+            f"missing, {report.unchecked} without checksum (written before checksums); "
+            f"{len(report.quarantined)} in quarantine/",
+            highlight=False,
+            soft_wrap=True,
+        )
     if report.damaged:
         raise typer.Exit(1)

@@ -295,12 +295,18 @@ def load_prompts(
             )
         if too_long:
             logger.warning(
-                "prompts file %s: skipped %d of %d prompts longer than %d tokens", path, len(too_long), n, max_prompt_tokens
+                "prompts file %s: skipped %d of %d prompts longer than %d tokens",
+                path,
+                len(too_long),
+                n,
+                max_prompt_tokens,
             )
             skip = set(too_long)
             keep = [i for i in keep if i not in skip]
         if not keep:
-            raise ValueError(f"prompts file {path}: all {n} prompts are longer than max_prompt_tokens={max_prompt_tokens}")
+            raise ValueError(
+                f"prompts file {path}: all {n} prompts are longer than max_prompt_tokens={max_prompt_tokens}"
+            )
 
     data_sources = [_as_text(v) for v in columns.get("data_source", [None] * n)]
     ground_truths = _ground_truths(path, columns, n)

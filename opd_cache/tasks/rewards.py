@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
-from typing import Callable
 
 # A number: optional minus, digits with optional thousands commas, optional decimals.
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
@@ -67,7 +67,13 @@ def _math_verify_equal(text: str, ground_truth: str) -> bool:
     # math-verify's timeouts use SIGALRM, which only the main thread may set.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     try:
-        return bool(verify(parse(ground_truth, parsing_timeout=timeout), parse(text, parsing_timeout=timeout), timeout_seconds=timeout))
+        return bool(
+            verify(
+                parse(ground_truth, parsing_timeout=timeout),
+                parse(text, parsing_timeout=timeout),
+                timeout_seconds=timeout,
+            )
+        )
     except Exception:  # a response math-verify cannot parse is simply not equivalent
         return False
 

@@ -101,11 +101,22 @@ def _set_rng_state(state: dict) -> None:
 
     torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(state["cuda"]), dtype=np.uint8).copy()))
+        torch.cuda.set_rng_state(
+            torch.from_numpy(np.frombuffer(base64.b64decode(state["cuda"]), dtype=np.uint8).copy())
+        )
 
 
-def save_state(store: Store, step: int, objective: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               trainer_state: dict, *, rank: int = 0, distributed: bool = False, keep: int = 2) -> None:
+def save_state(
+    store: Store,
+    step: int,
+    objective: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict,
+    *,
+    rank: int = 0,
+    distributed: bool = False,
+    keep: int = 2,
+) -> None:
     """Save the resume state of step `step` (a collective under torchrun: every rank calls it)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -133,8 +144,13 @@ def save_state(store: Store, step: int, objective: torch.nn.Module, optimizer: t
     if rank == 0:
         (folder / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
     _barrier(distributed)
-    mine = [p for p in folder.iterdir() if p.name.startswith(f"__{rank}_") or p.name == f"rng-{rank}.json"
-            or (rank == 0 and p.name in (".metadata", "trainer.json"))]
+    mine = [
+        p
+        for p in folder.iterdir()
+        if p.name.startswith(f"__{rank}_")
+        or p.name == f"rng-{rank}.json"
+        or (rank == 0 and p.name in (".metadata", "trainer.json"))
+    ]
     # Each rank checksums the files it wrote (on an object store they exist only in its own local folder);
     # rank 0 writes the merged manifest before `_COMPLETE`.
     checksums = _gather_to_rank0(manifest_for(folder, [p.name for p in mine]), distributed)
@@ -187,8 +203,9 @@ class CorruptStateError(StoreError):
         super().__init__("; ".join(p.reason for p in problems))
 
 
-def load_state(store: Store, step: int, objective: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               *, rank: int = 0) -> dict:
+def load_state(
+    store: Store, step: int, objective: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int = 0
+) -> dict:
     """Load the resume state of step `step` into the model and optimizer; returns trainer.json.
 
     Every file is checked against the state's `_CHECKSUMS.json` before anything is loaded; a damaged or
@@ -227,8 +244,10 @@ def load_state(store: Store, step: int, objective: torch.nn.Module, optimizer: t
         return json.loads((folder / "trainer.json").read_text())
     except (CheckpointException, Exception) as e:  # truncated, tampered with, or of another model
         reason = _checkpoint_reason(e) if isinstance(e, CheckpointException) else f"{type(e).__name__}: {e}"
-        raise StoreError(f"{store.path(rel)}: the resume state cannot be loaded ({' '.join(reason.split())}); "
-                         f"move it out of {store.path(STATE_ROOT)} to resume from the previous state") from None
+        raise StoreError(
+            f"{store.path(rel)}: the resume state cannot be loaded ({' '.join(reason.split())}); "
+            f"move it out of {store.path(STATE_ROOT)} to resume from the previous state"
+        ) from None
     finally:
         if cleanup is not None:
             shutil.rmtree(cleanup, ignore_errors=True)
@@ -256,9 +275,15 @@ def _checkpoint_reason(e) -> str:
 # DCP metadata classes are dataclasses and enums of these modules; everything else a resume state's
 # `.metadata` needs is listed here.
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("builtins", "set"),
-                     ("builtins", "frozenset")}
+_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -267,7 +292,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         if module in _DCP_MODULES:
             obj = super().find_class(module, name)
@@ -305,8 +332,9 @@ def _safe_dcp_loaders(folder: str):
             try:
                 torch.load(io.BytesIO(data), weights_only=True)
             except Exception as e:
-                raise pickle.UnpicklingError(f"entry {read_item.dest_index.fqn!r} is not plain data: "
-                                             f"{' '.join(str(e).split())[:200]}") from None
+                raise pickle.UnpicklingError(
+                    f"entry {read_item.dest_index.fqn!r} is not plain data: {' '.join(str(e).split())[:200]}"
+                ) from None
             super().load_bytes(read_item, io.BytesIO(data))  # the same bytes, so only weights_only-safe objects
 
     return SafeReader(folder), SafeLoadPlanner()
@@ -320,8 +348,10 @@ def consumed_rel(step: int) -> str:
 def write_consumed(store: Store, step: int, batch) -> None:
     """The rows trained at `step` (a GlobalBatch), one JSON object per line."""
     shard_of_row = [batch.shard_ids[i] for i in batch.row_shard.tolist()]
-    lines = [json.dumps({"sample_id": s, "shard_id": sh, "teacher": t, "policy_version": v})
-             for s, sh, t, v in zip(batch.sample_ids, shard_of_row, batch.teachers, batch.row_version.tolist())]
+    lines = [
+        json.dumps({"sample_id": s, "shard_id": sh, "teacher": t, "policy_version": v})
+        for s, sh, t, v in zip(batch.sample_ids, shard_of_row, batch.teachers, batch.row_version.tolist())
+    ]
     store.write_bytes(consumed_rel(step), ("\n".join(lines) + "\n").encode())
 
 
@@ -372,8 +402,9 @@ def verify_ledger(store: Store) -> dict:
 
 
 # ------------------------------------------------------------------ publishing
-def publish_version(store: Store, version: int, objective: torch.nn.Module, tokenizer, *, rank: int = 0,
-                    distributed: bool = False) -> None:
+def publish_version(
+    store: Store, version: int, objective: torch.nn.Module, tokenizer, *, rank: int = 0, distributed: bool = False
+) -> None:
     """Publish the current student weights as `policy/v<version>` (a collective under torchrun)."""
     from opd_cache.models import save_causal_lm
 
@@ -401,7 +432,9 @@ def publish_version(store: Store, version: int, objective: torch.nn.Module, toke
         else:
             prefix = "model."
             tied = _tied_names(model)  # e.g. lm_head.weight when tied to the embeddings: saved once
-            state = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix) and k[len(prefix):] not in tied}
+            state = {
+                k[len(prefix) :]: v for k, v in full.items() if k.startswith(prefix) and k[len(prefix) :] not in tied
+            }
             from transformers.utils import logging as hf_logging
 
             was_enabled = hf_logging.is_progress_bar_enabled()
@@ -442,20 +475,22 @@ def announce_demand(store: Store, cfg) -> None:
 
 def write_progress(store: Store, *, step: int, policy_version: int, cursor: dict, extra: dict | None = None) -> None:
     """`train/progress.json`, read by rollout for pacing (backlog = rows − consumed − expired)."""
-    store.write_progress({
-        "step": step,
-        "policy_version": policy_version,
-        # rows the trainer is done with without expiring them: trained, plus rows routed to no teacher
-        "consumed_samples": cursor["trained_samples"] + cursor["unrouted_samples"],
-        "expired_samples": cursor["expired_samples"],
-        "consumed_shards": len(cursor["finished"]),
-        "trained_samples": cursor["trained_samples"],
-        "unrouted_samples": cursor["unrouted_samples"],
-        # rows of rollout shards that failed their checksum (quarantined; the other stages never count them)
-        "lost_samples": cursor.get("lost_samples", 0),
-        "lost_shards": cursor.get("lost_shards", 0),
-        "current_shard": cursor["current"],
-        "current_shard_rows": cursor["current_rows"],
-        "time": round(time.time(), 3),
-        **(extra or {}),
-    })
+    store.write_progress(
+        {
+            "step": step,
+            "policy_version": policy_version,
+            # rows the trainer is done with without expiring them: trained, plus rows routed to no teacher
+            "consumed_samples": cursor["trained_samples"] + cursor["unrouted_samples"],
+            "expired_samples": cursor["expired_samples"],
+            "consumed_shards": len(cursor["finished"]),
+            "trained_samples": cursor["trained_samples"],
+            "unrouted_samples": cursor["unrouted_samples"],
+            # rows of rollout shards that failed their checksum (quarantined; the other stages never count them)
+            "lost_samples": cursor.get("lost_samples", 0),
+            "lost_shards": cursor.get("lost_shards", 0),
+            "current_shard": cursor["current"],
+            "current_shard_rows": cursor["current_rows"],
+            "time": round(time.time(), 3),
+            **(extra or {}),
+        }
+    )

@@ -30,7 +30,11 @@ def apply_fsdp(objective: nn.Module, mesh, param_dtype: torch.dtype | None = Non
     """Shard `objective` (a DistillationObjective) in place over `mesh`; returns it."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        if param_dtype
+        else MixedPrecisionPolicy()
+    )
     for block in decoder_blocks(objective.model):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(objective, mesh=mesh, mp_policy=mp)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -42,11 +42,24 @@ class _Failure:
 
 
 class BatchLoader:
-    def __init__(self, *, cache: ShardCache, stream: ShardStream | None, rank: int, world_size: int,
-                 group=None, first_step: int, max_steps: int, version_of_step: Callable[[int], int],
-                 micro_batch_tokens: int, aggregation: str,
-                 scorer: Callable[[GlobalBatch], tuple[np.ndarray, np.ndarray]] | None = None,
-                 pad_id: int = 0, prefetch: int = 2, pin_memory: bool = False):
+    def __init__(
+        self,
+        *,
+        cache: ShardCache,
+        stream: ShardStream | None,
+        rank: int,
+        world_size: int,
+        group=None,
+        first_step: int,
+        max_steps: int,
+        version_of_step: Callable[[int], int],
+        micro_batch_tokens: int,
+        aggregation: str,
+        scorer: Callable[[GlobalBatch], tuple[np.ndarray, np.ndarray]] | None = None,
+        pad_id: int = 0,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+    ):
         self.cache, self.stream = cache, stream
         self.rank, self.world_size, self.group = rank, world_size, group
         self.first_step, self.max_steps = first_step, max_steps
@@ -60,7 +73,7 @@ class BatchLoader:
         if stream is not None and world_size > 1:
             stream.on_wait = lambda: self._broadcast(("wait",))
 
-    def start(self) -> "BatchLoader":
+    def start(self) -> BatchLoader:
         self._thread.start()
         return self
 
@@ -128,10 +141,19 @@ class BatchLoader:
             if len(sel) == 0:
                 micro_batches.append(empty_micro_batch(top_k, support_k, task))
                 continue
-            micro_batches.append(decode_rows(
-                self.cache, batch.shard_ids, batch.row_shard[sel], batch.row_index[sel],
-                aggregation=self.aggregation, global_tokens=batch.response_tokens, global_seqs=batch.global_seqs,
-                advantages=batch.advantages[sel] if task else None, pad_id=self.pad_id))
+            micro_batches.append(
+                decode_rows(
+                    self.cache,
+                    batch.shard_ids,
+                    batch.row_shard[sel],
+                    batch.row_index[sel],
+                    aggregation=self.aggregation,
+                    global_tokens=batch.response_tokens,
+                    global_seqs=batch.global_seqs,
+                    advantages=batch.advantages[sel] if task else None,
+                    pad_id=self.pad_id,
+                )
+            )
         if self.pin_memory:
             micro_batches = [mb.pin_memory() for mb in micro_batches]
         return micro_batches

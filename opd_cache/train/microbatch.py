@@ -42,14 +42,15 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.sampled_ids.shape[0])
 
-    def _map(self, fn) -> "MicroBatch":
-        return MicroBatch(**{f.name: fn(v) if isinstance(v := getattr(self, f.name), torch.Tensor) else v
-                             for f in fields(self)})
+    def _map(self, fn) -> MicroBatch:
+        return MicroBatch(
+            **{f.name: fn(v) if isinstance(v := getattr(self, f.name), torch.Tensor) else v for f in fields(self)}
+        )
 
-    def to(self, device: torch.device) -> "MicroBatch":
+    def to(self, device: torch.device) -> MicroBatch:
         return self._map(lambda t: t.to(device, non_blocking=True))
 
-    def pin_memory(self) -> "MicroBatch":
+    def pin_memory(self) -> MicroBatch:
         return self._map(lambda t: t.pin_memory())
 
 
@@ -73,15 +74,36 @@ def empty_micro_batch(top_k: int, support_k: int = 0, task: bool = False) -> Mic
     )
 
 
-def decode_rows(cache: ShardCache, shard_ids: list[str], row_shard: np.ndarray, row_index: np.ndarray, *,
-                aggregation: str, global_tokens: int, global_seqs: int, advantages: np.ndarray | None = None,
-                pad_id: int = 0) -> MicroBatch:
+def decode_rows(
+    cache: ShardCache,
+    shard_ids: list[str],
+    row_shard: np.ndarray,
+    row_index: np.ndarray,
+    *,
+    aggregation: str,
+    global_tokens: int,
+    global_seqs: int,
+    advantages: np.ndarray | None = None,
+    pad_id: int = 0,
+) -> MicroBatch:
     """The micro-batch of the given rows (`row_shard` indexes `shard_ids`)."""
     order = np.lexsort((row_index, row_shard))  # group by shard; the order of rows in a micro-batch is free
     row_shard, row_index = row_shard[order], row_index[order]
-    pieces: dict[str, list[np.ndarray]] = {k: [] for k in (
-        "prompt_len", "response_len", "prompt", "response", "behavior", "topk_ids", "topk_lp", "token_lp",
-        "support_ids", "support_lp")}
+    pieces: dict[str, list[np.ndarray]] = {
+        k: []
+        for k in (
+            "prompt_len",
+            "response_len",
+            "prompt",
+            "response",
+            "behavior",
+            "topk_ids",
+            "topk_lp",
+            "token_lp",
+            "support_ids",
+            "support_lp",
+        )
+    }
     for s in np.unique(row_shard):
         data = cache.get(shard_ids[int(s)])
         rows = row_index[row_shard == s]
@@ -109,15 +131,17 @@ def decode_rows(cache: ShardCache, shard_ids: list[str], row_shard: np.ndarray, 
     col_of_prompt = np.arange(len(row_of_prompt)) - np.repeat(offsets_of(prompt_len)[:-1], prompt_len)
     input_ids[row_of_prompt, col_of_prompt] = cat["prompt"]
     row_of_token = np.repeat(np.arange(n_rows), response_len)
-    col_of_token = (np.arange(len(row_of_token)) - np.repeat(offsets_of(response_len)[:-1], response_len)
-                    + prompt_len[row_of_token])
+    col_of_token = (
+        np.arange(len(row_of_token)) - np.repeat(offsets_of(response_len)[:-1], response_len) + prompt_len[row_of_token]
+    )
     input_ids[row_of_token, col_of_token] = cat["response"]
     attention_mask = (np.arange(width)[None, :] < seq_len[:, None]).astype(np.int64)
 
     # Aggregation weights of the whole optimizer step (global token / sequence counts).
     mask = torch.from_numpy(np.arange(max(int(response_len.max()), 1))[None, :] < response_len[:, None])
-    weights = aggregation_weights(mask, aggregation, global_tokens=max(global_tokens, 1),
-                                  global_seqs=max(global_seqs, 1))[mask]
+    weights = aggregation_weights(
+        mask, aggregation, global_tokens=max(global_tokens, 1), global_seqs=max(global_seqs, 1)
+    )[mask]
 
     support = cat["support_ids"] is not None
     return MicroBatch(
@@ -134,7 +158,10 @@ def decode_rows(cache: ShardCache, shard_ids: list[str], row_shard: np.ndarray, 
         token_weights=weights.to(torch.float32),
         support_ids=torch.from_numpy(cat["support_ids"]) if support else None,
         support_logprobs=torch.from_numpy(cat["support_lp"]) if support else None,
-        advantages=(torch.from_numpy(np.repeat(advantages[order], response_len).astype(np.float32))
-                    if advantages is not None else None),
+        advantages=(
+            torch.from_numpy(np.repeat(advantages[order], response_len).astype(np.float32))
+            if advantages is not None
+            else None
+        ),
         num_rows=n_rows,
     )

@@ -56,13 +56,17 @@ class LossOptions:
 
 
 @torch.no_grad()
-def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
+def sampled_token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, chunk_size: int
+) -> torch.Tensor:
     """log softmax(hidden @ weight.T)[ids] in chunks of tokens (no [N, V] buffer, no gradient)."""
     out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     w = weight.float()
     for start in range(0, hidden.shape[0], chunk_size):
-        logits = hidden[start:start + chunk_size].float() @ w.t()
-        out[start:start + chunk_size] = logits.gather(1, ids[start:start + chunk_size, None]).squeeze(1) - logits.logsumexp(1)
+        logits = hidden[start : start + chunk_size].float() @ w.t()
+        out[start : start + chunk_size] = logits.gather(1, ids[start : start + chunk_size, None]).squeeze(
+            1
+        ) - logits.logsumexp(1)
     return out
 
 
@@ -89,23 +93,39 @@ class DistillationObjective(nn.Module):
             s = sampled_token_logprobs(hidden.detach(), weight.detach(), mb.sampled_ids, opts.chunk_size)
             token_weights = token_weights * torch.exp(s - mb.behavior_logprobs).clamp(max=opts.importance_cap)
         loss, per_token, diagnostics = fused_token_losses(
-            hidden, weight, mb.teacher_topk_ids, mb.teacher_topk_logprobs,
-            token_weights=token_weights, chunk_size=opts.chunk_size,
-            divergence=opts.divergence, tail=opts.tail, beta=opts.beta,
-            sampled_ids=mb.sampled_ids, teacher_token_logprobs=mb.teacher_token_logprobs,
-            support_ids=mb.support_ids, support_teacher_logprobs=mb.support_logprobs,
+            hidden,
+            weight,
+            mb.teacher_topk_ids,
+            mb.teacher_topk_logprobs,
+            token_weights=token_weights,
+            chunk_size=opts.chunk_size,
+            divergence=opts.divergence,
+            tail=opts.tail,
+            beta=opts.beta,
+            sampled_ids=mb.sampled_ids,
+            teacher_token_logprobs=mb.teacher_token_logprobs,
+            support_ids=mb.support_ids,
+            support_teacher_logprobs=mb.support_logprobs,
             behavior_logprobs=mb.behavior_logprobs if opts.divergence == POLICY_GRADIENT else None,
-            clip_low=opts.clip_low, clip_high=opts.clip_high,
+            clip_low=opts.clip_low,
+            clip_high=opts.clip_high,
             importance_cap=opts.importance_cap if opts.divergence == POLICY_GRADIENT else None,
             return_diagnostics=True,
         )
         diagnostics = dict(diagnostics)
         if opts.task_reward_weight > 0:
             task_loss, task_per_token = fused_token_losses(
-                hidden, weight, token_weights=mb.token_weights * opts.task_reward_weight,
-                chunk_size=opts.chunk_size, divergence=POLICY_GRADIENT, sampled_ids=mb.sampled_ids,
-                teacher_token_logprobs=mb.advantages + mb.behavior_logprobs, behavior_logprobs=mb.behavior_logprobs,
-                clip_low=opts.clip_low, clip_high=opts.clip_high, importance_cap=opts.importance_cap,
+                hidden,
+                weight,
+                token_weights=mb.token_weights * opts.task_reward_weight,
+                chunk_size=opts.chunk_size,
+                divergence=POLICY_GRADIENT,
+                sampled_ids=mb.sampled_ids,
+                teacher_token_logprobs=mb.advantages + mb.behavior_logprobs,
+                behavior_logprobs=mb.behavior_logprobs,
+                clip_low=opts.clip_low,
+                clip_high=opts.clip_high,
+                importance_cap=opts.importance_cap,
             )
             diagnostics["task_loss"] = task_loss.detach()
             diagnostics["distill_loss"] = loss.detach()

@@ -72,27 +72,37 @@ def open_sources(spec: ReplaySpec) -> list[Source]:
             present = set(run.get("teachers") or {}) | {t for names in parts.values() for t in names}
             missing = sorted(set(spec.teachers) - present)
             if len(missing) == len(set(spec.teachers)):
-                raise ValueError(f"--teacher {', '.join(spec.teachers)}: {store.path('')} has annotations from "
-                                 f"{', '.join(sorted(present)) or 'no teacher'}")
+                raise ValueError(
+                    f"--teacher {', '.join(spec.teachers)}: {store.path('')} has annotations from "
+                    f"{', '.join(sorted(present)) or 'no teacher'}"
+                )
             teachers = sorted(set(spec.teachers) & present)
         # a shard trains once every selected teacher has scored it (the trainer's rule, shard_data.py)
-        selected = [s for s in shards
-                    if teachers and set(teachers) <= parts.get(s.shard_id, set())
-                    and (spec.min_version is None or s.policy_version >= spec.min_version)
-                    and (spec.max_version is None or s.policy_version <= spec.max_version)]
+        selected = [
+            s
+            for s in shards
+            if teachers
+            and set(teachers) <= parts.get(s.shard_id, set())
+            and (spec.min_version is None or s.policy_version >= spec.min_version)
+            and (spec.max_version is None or s.policy_version <= spec.max_version)
+        ]
         if not selected:
             annotated = sum(1 for s in shards if s.shard_id in parts)
             hint = "run `opd annotate` on it first" if not annotated else "widen --min-version/--max-version/--teacher"
-            raise ValueError(f"--from {uri}: no annotated shards to replay ({len(shards)} rollout shards, "
-                             f"{annotated} annotated, none selected by the version range and teachers): {hint}")
+            raise ValueError(
+                f"--from {uri}: no annotated shards to replay ({len(shards)} rollout shards, "
+                f"{annotated} annotated, none selected by the version range and teachers): {hint}"
+            )
         sources.append(Source(store, run, teachers, selected))
     first = sources[0]
     for other in sources[1:]:
         for key in ("tokenizer_fingerprint", "top_k"):
             if other.run.get(key) != first.run.get(key):
-                raise ValueError(f"--from {other.store.uri}: {key} is {other.run.get(key)!r}, but "
-                                 f"{first.store.uri} has {first.run.get(key)!r}; replay sources must share one "
-                                 f"tokenizer and top-k")
+                raise ValueError(
+                    f"--from {other.store.uri}: {key} is {other.run.get(key)!r}, but "
+                    f"{first.store.uri} has {first.run.get(key)!r}; replay sources must share one "
+                    f"tokenizer and top-k"
+                )
     return sources
 
 
@@ -100,12 +110,15 @@ def prepare_replay_store(store: Store, spec: ReplaySpec, sources: list[Source], 
     """Create (or check, on resume) the replay store's run.json before the trainer opens it."""
     source_roots = {s.store.path("") for s in sources}
     if store.path("") in source_roots:
-        raise ValueError(f"--store {store.uri} is one of the --from stores: a replay writes to a new store and only "
-                         f"reads its sources")
+        raise ValueError(
+            f"--store {store.uri} is one of the --from stores: a replay writes to a new store and only "
+            f"reads its sources"
+        )
     run = store.read_run()
     if run is not None and "replay" not in run:
-        raise ValueError(f"--store {store.uri} holds a run that is not a replay ({store.path('run.json')}); "
-                         f"use a new folder")
+        raise ValueError(
+            f"--store {store.uri} holds a run that is not a replay ({store.path('run.json')}); use a new folder"
+        )
     first = sources[0].run
     teachers = {}
     for s in sources:
@@ -113,8 +126,10 @@ def prepare_replay_store(store: Store, spec: ReplaySpec, sources: list[Source], 
     return store.ensure_run(  # replay first: a resume with another selection is refused naming it
         replay={**spec.to_dict(), "source_run_ids": [s.run.get("run_id") for s in sources]},
         student=student or first.get("student"),
-        tokenizer_fingerprint=first.get("tokenizer_fingerprint"), top_k=first.get("top_k"),
-        vocab_size=first.get("vocab_size"), teachers=teachers,
+        tokenizer_fingerprint=first.get("tokenizer_fingerprint"),
+        top_k=first.get("top_k"),
+        vocab_size=first.get("vocab_size"),
+        teachers=teachers,
     )
 
 
@@ -139,8 +154,16 @@ class ReplayCache:
 class ReplayStream:
     """Global batches from `epochs` passes over the selected rows. Runs on rank 0 only (in the loader thread)."""
 
-    def __init__(self, sources: list[Source], cache: ReplayCache, spec: ReplaySpec, *, batch_samples: int | None,
-                 batch_tokens: int | None, cursor: dict | None = None):
+    def __init__(
+        self,
+        sources: list[Source],
+        cache: ReplayCache,
+        spec: ReplaySpec,
+        *,
+        batch_samples: int | None,
+        batch_tokens: int | None,
+        cursor: dict | None = None,
+    ):
         self.cache, self.spec = cache, spec
         self.batch_samples, self.batch_tokens = batch_samples, batch_tokens
         self.keys = [f"{i}:{s.shard_id}" for i, source in enumerate(sources) for s in source.shards]
@@ -163,8 +186,9 @@ class ReplayStream:
         """The selected rows of a shard (routed to a selected teacher, of a selected data source), in read order."""
         keep = data.teacher_of_row >= 0
         if self.spec.data_sources:
-            keep &= pc.fill_null(pc.is_in(data.data_source, value_set=pa.array(self.spec.data_sources, pa.string())),
-                                 False).to_numpy(zero_copy_only=False)
+            keep &= pc.fill_null(
+                pc.is_in(data.data_source, value_set=pa.array(self.spec.data_sources, pa.string())), False
+            ).to_numpy(zero_copy_only=False)
         rows = np.nonzero(keep)[0].astype(np.int64)
         if self.spec.shuffle:
             rng = np.random.default_rng([self.spec.seed, epoch, zlib.crc32(key.encode())])
@@ -183,7 +207,7 @@ class ReplayStream:
             key = order[c["position"]]
             data = self.cache.get(key)
             selected = self.rows(key, data, c["epoch"])
-            remaining = selected[c["current_rows"]:]
+            remaining = selected[c["current_rows"] :]
             if self.batch_samples is not None:
                 rows = remaining[: self.batch_samples - taken_rows]
             else:
@@ -214,14 +238,19 @@ class ReplayStream:
             sample_ids += data.sample_ids.take(pa.array(rows)).to_pylist()
             teachers += list(np.asarray(data.teacher_names, dtype=object)[data.teacher_of_row[rows]])
         return GlobalBatch(
-            step=step, version=version, shard_ids=[key for key, _, _ in parts],
+            step=step,
+            version=version,
+            shard_ids=[key for key, _, _ in parts],
             row_shard=np.concatenate([np.full(len(rows), i, dtype=np.int32) for i, (_, rows, _) in enumerate(parts)]),
             row_index=np.concatenate([rows for _, rows, _ in parts]),
             prompt_lengths=np.concatenate([data.prompt_lengths[rows] for _, rows, data in parts]),
             response_lengths=np.concatenate([data.response_lengths[rows] for _, rows, data in parts]),
-            row_version=np.concatenate([np.full(len(rows), data.policy_version, dtype=np.int32)
-                                        for _, rows, data in parts]),
-            sample_ids=sample_ids, teachers=teachers, cursor=dict(self.cursor),
+            row_version=np.concatenate(
+                [np.full(len(rows), data.policy_version, dtype=np.int32) for _, rows, data in parts]
+            ),
+            sample_ids=sample_ids,
+            teachers=teachers,
+            cursor=dict(self.cursor),
         )
 
 
@@ -244,8 +273,14 @@ class ReplayTrainer(Trainer):
         cache = ReplayCache(self.sources)
         stream = None
         if self.env.rank == 0:
-            stream = ReplayStream(self.sources, cache, self.spec, batch_samples=self.cfg.global_batch_samples,
-                                  batch_tokens=self.cfg.global_batch_tokens, cursor=self.cursor)
+            stream = ReplayStream(
+                self.sources,
+                cache,
+                self.spec,
+                batch_samples=self.cfg.global_batch_samples,
+                batch_tokens=self.cfg.global_batch_tokens,
+                cursor=self.cursor,
+            )
         return cache, stream
 
     def _finish(self, stopped: str) -> None:

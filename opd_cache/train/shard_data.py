@@ -98,8 +98,10 @@ def load_shard(store: Store, run: dict, shard_id: str, teachers: list[str], *, n
     rollout_rel = store.rollout_path(shard_id)
     rollout, rmeta = read_shard(store, rollout_rel, kind=ROLLOUT, run=run)
     if need_support and "student_topk_ids" not in rollout.schema.names:
-        raise ShardError(f"{store.path(rollout_rel)}: support 'union' needs the column 'student_topk_ids' "
-                         f"(run rollout with rollout.student_topk > 0) or use --support teacher")
+        raise ShardError(
+            f"{store.path(rollout_rel)}: support 'union' needs the column 'student_topk_ids' "
+            f"(run rollout with rollout.student_topk > 0) or use --support teacher"
+        )
     n = rollout.num_rows
     response_lengths = list_lengths(rollout["response_ids"])
     response_offsets = offsets_of(response_lengths)
@@ -111,13 +113,17 @@ def load_shard(store: Store, run: dict, shard_id: str, teachers: list[str], *, n
         table, meta = read_shard(store, rel, kind=ANNOTATED, run=run)
         where = store.path(rel)
         if run.get("top_k") is not None and meta.top_k != run["top_k"]:
-            raise ShardError(f"{where}: annotated with top_k={meta.top_k} but run.json has top_k={run['top_k']}; "
-                             f"re-annotate with the run's top_k or use a new store")
+            raise ShardError(
+                f"{where}: annotated with top_k={meta.top_k} but run.json has top_k={run['top_k']}; "
+                f"re-annotate with the run's top_k or use a new store"
+            )
         if meta.teacher is not None and meta.teacher != teacher:
             raise ShardError(f"{where}: metadata names teacher {meta.teacher!r}, expected {teacher!r}")
         if need_support and "teacher_support_logprobs" not in table.schema.names:
-            raise ShardError(f"{where}: support 'union' needs the column 'teacher_support_logprobs' "
-                             f"(annotate with the HF back-end on rollouts with student_topk_ids) or use --support teacher")
+            raise ShardError(
+                f"{where}: support 'union' needs the column 'teacher_support_logprobs' "
+                f"(annotate with the HF back-end on rollouts with student_topk_ids) or use --support teacher"
+            )
         parts.append((teacher, table, where))
 
     teacher_of_row = np.full(n, -1, dtype=np.int16)
@@ -130,7 +136,9 @@ def load_shard(store: Store, run: dict, shard_id: str, teachers: list[str], *, n
             found = pc.index_in(table["sample_id"], value_set=rollout["sample_id"])
             if found.null_count:
                 bad = int(np.nonzero(found.is_null().to_numpy(zero_copy_only=False))[0][0])
-                raise ShardError(f"{where}: sample {table['sample_id'][bad].as_py()!r} is not in rollout shard {shard_id}")
+                raise ShardError(
+                    f"{where}: sample {table['sample_id'][bad].as_py()!r} is not in rollout shard {shard_id}"
+                )
             rows = found.to_numpy(zero_copy_only=False).astype(np.int64)
             if len(rows) > 1 and not np.all(np.diff(rows) > 0):
                 raise ShardError(f"{where}: rows are not in rollout order (or repeat a sample)")
@@ -138,13 +146,17 @@ def load_shard(store: Store, run: dict, shard_id: str, teachers: list[str], *, n
         bad = np.nonzero(got != response_lengths[rows])[0]
         if len(bad):
             r = int(bad[0])
-            raise ShardError(f"{where}: row {r} has {got[r]} teacher positions but its response has "
-                             f"{response_lengths[rows[r]]} tokens")
+            raise ShardError(
+                f"{where}: row {r} has {got[r]} teacher positions but its response has "
+                f"{response_lengths[rows[r]]} tokens"
+            )
         taken = teacher_of_row[rows] >= 0
         if taken.any():
             other = teachers[int(teacher_of_row[rows[np.argmax(taken)]])]
-            raise ShardError(f"{where}: sample {table['sample_id'][int(np.argmax(taken))].as_py()!r} is also in the "
-                             f"part of teacher {other!r}; each row must be routed to one teacher")
+            raise ShardError(
+                f"{where}: sample {table['sample_id'][int(np.argmax(taken))].as_py()!r} is also in the "
+                f"part of teacher {other!r}; each row must be routed to one teacher"
+            )
         teacher_of_row[rows] = i
         part_rows.append(rows)
 

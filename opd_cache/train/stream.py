@@ -34,8 +34,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -61,10 +61,10 @@ class StreamCursor:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "StreamCursor":
+    def from_dict(cls, d: dict | None) -> StreamCursor:
         return cls(**(d or {}))
 
-    def copy(self) -> "StreamCursor":
+    def copy(self) -> StreamCursor:
         return StreamCursor.from_dict(json.loads(json.dumps(self.to_dict())))
 
 
@@ -129,10 +129,21 @@ class _Builder:
 class ShardStream:
     """Hands out global batches in stream order. Runs on rank 0 only (in the loader thread)."""
 
-    def __init__(self, store: Store, run: dict, cache: ShardCache, *, max_staleness: int,
-                 batch_samples: int | None, batch_tokens: int | None, follow: bool = False,
-                 poll_seconds: float = 1.0, idle_timeout: float | None = None,
-                 cursor: StreamCursor | None = None, on_wait: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        store: Store,
+        run: dict,
+        cache: ShardCache,
+        *,
+        max_staleness: int,
+        batch_samples: int | None,
+        batch_tokens: int | None,
+        follow: bool = False,
+        poll_seconds: float = 1.0,
+        idle_timeout: float | None = None,
+        cursor: StreamCursor | None = None,
+        on_wait: Callable[[], None] | None = None,
+    ):
         if (batch_samples is None) == (batch_tokens is None):
             raise ValueError("set exactly one of train.global_batch_samples and train.global_batch_tokens")
         self.store, self.run, self.cache = store, run, cache
@@ -320,30 +331,43 @@ class ShardStream:
         # the listed parts, or (a resumed stream has not listed yet) those of the required teachers
         for teacher in sorted(self._parts.get(shard_id) or self.cache.teachers):
             try:
-                part, _ = read_shard(self.store, self.store.annotated_path(shard_id, teacher), kind=ANNOTATED,
-                                     run=self.run)
+                part, _ = read_shard(
+                    self.store, self.store.annotated_path(shard_id, teacher), kind=ANNOTATED, run=self.run
+                )
             except (ShardError, FileNotFoundError):
                 complete = False
                 continue  # what cannot be read cannot be counted
             for sid in part["sample_id"].to_pylist():
-                row = sid[len(shard_id) + 1:]
+                row = sid[len(shard_id) + 1 :]
                 routed[sid] = int(row) if sid.startswith(f"{shard_id}-") and row.isdigit() else None
         # a row handed out already is never counted again; one whose row is unknown counts only when none was
-        lost = sorted(sid for sid, row in routed.items()
-                      if (row is None and not trained_until) or (row is not None and row >= trained_until))
+        lost = sorted(
+            sid
+            for sid, row in routed.items()
+            if (row is None and not trained_until) or (row is not None and row >= trained_until)
+        )
         unrouted = []
         if trained_until and complete and None not in routed.values():
             handed_out = {row for row in routed.values() if row is not None and row < trained_until}
             unrouted = [f"{shard_id}-{row}" for row in range(trained_until) if row not in handed_out]
         if error is None:
-            self.on_event(f"{self.store.path(rel)} was quarantined by its rollout worker: "
-                          f"{len(lost)} rows not trained yet are lost")
+            self.on_event(
+                f"{self.store.path(rel)} was quarantined by its rollout worker: "
+                f"{len(lost)} rows not trained yet are lost"
+            )
         self.cursor.lost_samples += len(lost)
         self.cursor.lost_shards += 1
         self._finish(shard_id, lost_ids=lost, unrouted_ids=unrouted)
 
-    def _finish(self, shard_id: str, expired_ids: list[str] | None = None, data=None, trained_until: int = 0,
-                lost_ids: list[str] | None = None, unrouted_ids: list[str] | None = None) -> None:
+    def _finish(
+        self,
+        shard_id: str,
+        expired_ids: list[str] | None = None,
+        data=None,
+        trained_until: int = 0,
+        lost_ids: list[str] | None = None,
+        unrouted_ids: list[str] | None = None,
+    ) -> None:
         """Mark a shard done and write its skipped rows (unrouted before `trained_until`, expired after)."""
         lines = [{"sample_id": sid, "reason": "unrouted"} for sid in unrouted_ids or []]
         if data is not None:
@@ -356,8 +380,9 @@ class ShardStream:
             self.cursor.expired_samples += len(expired_ids)
             self._expired_since_batch += len(expired_ids)
         if lines:
-            self.store.write_bytes(f"train/skipped/{shard_id}.jsonl",
-                                   "".join(json.dumps(line) + "\n" for line in lines).encode())
+            self.store.write_bytes(
+                f"train/skipped/{shard_id}.jsonl", "".join(json.dumps(line) + "\n" for line in lines).encode()
+            )
         self._finished.add(shard_id)
         self.cursor.finished.append(shard_id)
         if self.cursor.current == shard_id:
@@ -365,7 +390,9 @@ class ShardStream:
 
     def _assemble(self, step: int, version: int, builder: _Builder, expired: int, waited: float) -> GlobalBatch:
         shard_ids = [shard_id for shard_id, _, _ in builder.parts]
-        row_shard = np.concatenate([np.full(len(rows), i, dtype=np.int32) for i, (_, rows, _) in enumerate(builder.parts)])
+        row_shard = np.concatenate(
+            [np.full(len(rows), i, dtype=np.int32) for i, (_, rows, _) in enumerate(builder.parts)]
+        )
         row_index = np.concatenate([rows for _, rows, _ in builder.parts])
         sample_ids, teachers = [], []
         for _, rows, data in builder.parts:
@@ -379,8 +406,9 @@ class ShardStream:
             row_index=row_index,
             prompt_lengths=np.concatenate([data.prompt_lengths[rows] for _, rows, data in builder.parts]),
             response_lengths=np.concatenate([data.response_lengths[rows] for _, rows, data in builder.parts]),
-            row_version=np.concatenate([np.full(len(rows), data.policy_version, dtype=np.int32)
-                                        for _, rows, data in builder.parts]),
+            row_version=np.concatenate(
+                [np.full(len(rows), data.policy_version, dtype=np.int32) for _, rows, data in builder.parts]
+            ),
             sample_ids=sample_ids,
             teachers=teachers,
             cursor=self.cursor.copy().to_dict(),
@@ -413,7 +441,7 @@ def assign_ranks(batch: GlobalBatch, world_size: int, micro_batch_tokens: int) -
         i, micro = 0, 0
         while i < len(rows):
             fit = max(1, micro_batch_tokens // max(int(lengths[rows[i]]), 1))
-            micro_of_row[rows[i:i + fit]] = micro
+            micro_of_row[rows[i : i + fit]] = micro
             i += fit
             micro += 1
         num_micro = max(num_micro, micro)

@@ -26,8 +26,10 @@ def score_batch(batch: GlobalBatch, cache: ShardCache, tokenizer) -> tuple[np.nd
         rows = batch.row_index[where]
         truths = data.ground_truth.take(rows).to_pylist()
         if any(t is None for t in truths):
-            raise ShardError(f"{cache.store.path(cache.store.rollout_path(shard_id))}: rows without ground_truth; "
-                             f"the task reward (train.task_reward_weight > 0) needs it for every row")
+            raise ShardError(
+                f"{cache.store.path(cache.store.rollout_path(shard_id))}: rows without ground_truth; "
+                f"the task reward (train.task_reward_weight > 0) needs it for every row"
+            )
         sources = data.data_source.take(rows).to_pylist()
         tokens = data.response_values[ragged_index(data.response_offsets, rows)]
         split = np.split(tokens, np.cumsum(data.response_lengths[rows])[:-1])

@@ -36,14 +36,22 @@ import torch
 import torch.distributed as dist
 
 from opd_cache.config import Config, TrainConfig
-from opd_cache.engines import resolve_device
+from opd_cache.engine import resolve_device
 from opd_cache.losses import LOSSES, POLICY_GRADIENT, token_losses
 from opd_cache.metrics import MetricsLog
-from opd_cache.tracking import Tracker, check_trackers, train_metrics
 from opd_cache.store import Store
+from opd_cache.tracking import Tracker, check_trackers, train_metrics
 from opd_cache.train.checkpoint import (
-    CorruptStateError, clear_ledger_after, complete_states, drop_corrupt_state, load_state, publish_version, save_state,
-    samples_needed_total, write_consumed, write_progress,
+    CorruptStateError,
+    clear_ledger_after,
+    complete_states,
+    drop_corrupt_state,
+    load_state,
+    publish_version,
+    samples_needed_total,
+    save_state,
+    write_consumed,
+    write_progress,
 )
 from opd_cache.train.loader import BatchLoader, LoadedStep
 from opd_cache.train.objective import DistillationObjective, LossOptions
@@ -51,8 +59,15 @@ from opd_cache.train.shard_data import ShardCache, required_teachers
 from opd_cache.train.stream import ShardStream, StreamCursor, StreamEnd
 
 # Diagnostics of the losses module averaged over the step's tokens (weighted by each micro-batch's count).
-MEAN_DIAGNOSTICS = ("loss_mean", "teacher_mass_support", "student_mass_support", "teacher_tail_mass",
-                    "student_tail_mass", "topk_overlap", "k1")
+MEAN_DIAGNOSTICS = (
+    "loss_mean",
+    "teacher_mass_support",
+    "student_mass_support",
+    "teacher_tail_mass",
+    "student_tail_mass",
+    "topk_overlap",
+    "k1",
+)
 
 
 # ---------------------------------------------------------------------- 1. processes
@@ -106,21 +121,34 @@ def check_inputs(cfg: TrainConfig, run: dict, world_size: int) -> None:
     if cfg.max_staleness < 0:
         raise ValueError(f"--max-staleness {cfg.max_staleness}: must be >= 0 (0 = synchronous on-policy training)")
     if cfg.global_batch_samples is not None and cfg.global_batch_samples < world_size:
-        raise ValueError(f"--global-batch-samples {cfg.global_batch_samples} is smaller than the world size "
-                         f"{world_size}: every rank needs at least one sample per step")
+        raise ValueError(
+            f"--global-batch-samples {cfg.global_batch_samples} is smaller than the world size "
+            f"{world_size}: every rank needs at least one sample per step"
+        )
     if cfg.global_batch_tokens is not None and cfg.global_batch_tokens < world_size:
         raise ValueError(f"--global-batch-tokens {cfg.global_batch_tokens} is smaller than the world size {world_size}")
     if cfg.support == "union" and not run.get("student_topk"):
-        raise ValueError("--support union needs the student's top-k ids in the rollout shards (student_topk_ids), "
-                         "but run.json has no student_topk: roll out with rollout.student_topk > 0 or use --support teacher")
+        raise ValueError(
+            "--support union needs the student's top-k ids in the rollout shards (student_topk_ids), "
+            "but run.json has no student_topk: roll out with rollout.student_topk > 0 or use --support teacher"
+        )
     # Let the losses module check the option combination on an empty batch (k1 without PG, tail none + jsd, ...).
     k = 2
     try:
-        token_losses(torch.zeros(0, k + 1), torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k),
-                     divergence=cfg.loss, tail=cfg.tail, beta=cfg.beta, sampled_ids=torch.zeros(0, dtype=torch.long),
-                     teacher_token_logprobs=torch.zeros(0), behavior_logprobs=torch.zeros(0),
-                     clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                     importance_cap=cfg.importance_cap if cfg.loss == POLICY_GRADIENT else None)
+        token_losses(
+            torch.zeros(0, k + 1),
+            torch.zeros(0, k, dtype=torch.long),
+            torch.zeros(0, k),
+            divergence=cfg.loss,
+            tail=cfg.tail,
+            beta=cfg.beta,
+            sampled_ids=torch.zeros(0, dtype=torch.long),
+            teacher_token_logprobs=torch.zeros(0),
+            behavior_logprobs=torch.zeros(0),
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            importance_cap=cfg.importance_cap if cfg.loss == POLICY_GRADIENT else None,
+        )
     except ValueError as e:
         raise ValueError(f"--loss {cfg.loss} --tail {cfg.tail}: {e}") from None
 
@@ -165,12 +193,16 @@ class Trainer:
         self.tokenizer = load_tokenizer(student, trust_remote_code=cfg.trust_remote_code)
         fingerprint = tokenizer_fingerprint(self.tokenizer)
         if run.get("tokenizer_fingerprint") and run["tokenizer_fingerprint"] != fingerprint:
-            raise ValueError(f"--student {student}: its tokenizer (fingerprint {fingerprint}) is not the run's "
-                             f"({run['tokenizer_fingerprint']} in {self.store.path('run.json')}); "
-                             f"train the student whose tokenizer sampled the rollouts")
+            raise ValueError(
+                f"--student {student}: its tokenizer (fingerprint {fingerprint}) is not the run's "
+                f"({run['tokenizer_fingerprint']} in {self.store.path('run.json')}); "
+                f"train the student whose tokenizer sampled the rollouts"
+            )
         if not required_teachers(run) and not cfg.follow:
-            raise ValueError(f"{self.store.path('run.json')} names no teachers: run `opd annotate` on this store "
-                             f"first, or pass --follow to wait for it")
+            raise ValueError(
+                f"{self.store.path('run.json')} names no teachers: run `opd annotate` on this store "
+                f"first, or pass --follow to wait for it"
+            )
         if env.rank == 0:  # the other stages pace themselves with it; a contradicting value is refused
             self.store.ensure_run(max_staleness=cfg.max_staleness)
         env.barrier()
@@ -181,18 +213,29 @@ class Trainer:
         model = load_causal_lm(student, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
         if cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.objective = DistillationObjective(model, LossOptions(
-            divergence=cfg.loss, tail=cfg.tail, beta=cfg.beta, chunk_size=cfg.chunk_size,
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high, importance_cap=cfg.importance_cap,
-            distill_weight=cfg.distill_weight, task_reward_weight=cfg.task_reward_weight))
+        self.objective = DistillationObjective(
+            model,
+            LossOptions(
+                divergence=cfg.loss,
+                tail=cfg.tail,
+                beta=cfg.beta,
+                chunk_size=cfg.chunk_size,
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+                importance_cap=cfg.importance_cap,
+                distill_weight=cfg.distill_weight,
+                task_reward_weight=cfg.task_reward_weight,
+            ),
+        )
         self.low_precision = self._low_precision_dtype()
         self.objective.to(env.device)
         if env.distributed:
             from opd_cache.train.fsdp import apply_fsdp
 
             apply_fsdp(self.objective, env.mesh, param_dtype=self.low_precision)
-        self.optimizer = torch.optim.AdamW(self.objective.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.objective.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+        )
 
         # resume
         self.step, self.saved_step, self.saved_cursor = 0, -1, None
@@ -212,8 +255,10 @@ class Trainer:
             self.anchor_step, self.anchor_version = state["anchor_step"], state["anchor_version"]
             self.published_step = state["published_step"]
             if self.console:
-                self.console.print(f"resuming from {self.store.path(f'train/state/step-{self.step:06d}')} "
-                                   f"(step {self.step}, policy version {self.version})")
+                self.console.print(
+                    f"resuming from {self.store.path(f'train/state/step-{self.step:06d}')} "
+                    f"(step {self.step}, policy version {self.version})"
+                )
         if env.rank == 0:
             clear_ledger_after(self.store, self.step, self.cursor["finished"])
             swept = self.store.remove_stale_tmp()  # what killed writers of any stage left, over an hour ago
@@ -232,8 +277,11 @@ class Trainer:
             except CorruptStateError as e:
                 if self.env.rank == 0:
                     drop_corrupt_state(self.store, e)
-                    print(f"warning: resume state step {step} is damaged ({e}): quarantined; trying the previous "
-                          f"complete state", file=sys.stderr)
+                    print(
+                        f"warning: resume state step {step} is damaged ({e}): quarantined; trying the previous "
+                        f"complete state",
+                        file=sys.stderr,
+                    )
         return None
 
     def _low_precision_dtype(self) -> torch.dtype | None:
@@ -248,22 +296,38 @@ class Trainer:
         return self.anchor_version + (step - 1 - self.anchor_step) // self.cfg.publish_every
 
     def trainer_state(self) -> dict:
-        return {"step": self.step, "policy_version": self.version, "cursor": self.cursor,
-                "anchor_step": self.anchor_step, "anchor_version": self.anchor_version,
-                "published_step": self.published_step, "world_size": self.env.world_size,
-                "loss": self.cfg.loss, "time": round(time.time(), 3)}
+        return {
+            "step": self.step,
+            "policy_version": self.version,
+            "cursor": self.cursor,
+            "anchor_step": self.anchor_step,
+            "anchor_version": self.anchor_version,
+            "published_step": self.published_step,
+            "world_size": self.env.world_size,
+            "loss": self.cfg.loss,
+            "time": round(time.time(), 3),
+        }
 
     def make_data(self):
         """The shard cache (every rank) and the batch stream (rank 0, else None); `opd replay` overrides it."""
         cfg = self.cfg
-        cache = ShardCache(self.store, self.run_manifest, required_teachers(self.run_manifest),
-                           need_support=cfg.support == "union")
+        cache = ShardCache(
+            self.store, self.run_manifest, required_teachers(self.run_manifest), need_support=cfg.support == "union"
+        )
         stream = None
         if self.env.rank == 0:
-            stream = ShardStream(self.store, self.run_manifest, cache, max_staleness=cfg.max_staleness,
-                                 batch_samples=cfg.global_batch_samples, batch_tokens=cfg.global_batch_tokens,
-                                 follow=cfg.follow, poll_seconds=cfg.poll_seconds, idle_timeout=cfg.idle_timeout,
-                                 cursor=StreamCursor.from_dict(self.cursor))
+            stream = ShardStream(
+                self.store,
+                self.run_manifest,
+                cache,
+                max_staleness=cfg.max_staleness,
+                batch_samples=cfg.global_batch_samples,
+                batch_tokens=cfg.global_batch_tokens,
+                follow=cfg.follow,
+                poll_seconds=cfg.poll_seconds,
+                idle_timeout=cfg.idle_timeout,
+                cursor=StreamCursor.from_dict(self.cursor),
+            )
         return cache, stream
 
     # ------------------------------------------------------------------ main loop
@@ -280,26 +344,47 @@ class Trainer:
             self.metrics = MetricsLog(store, "train", "0")
             # records of steps after the resumed state are logged again by this run
             self.metrics.rewrite(lambda record: record.get("step", 0) <= self.step)
-            self.tracker = Tracker(cfg.report_to, store=store, run_id=self.run_manifest["run_id"], job="train",
-                                   config=self.config.model_dump(mode="json")) if cfg.report_to else None
+            self.tracker = (
+                Tracker(
+                    cfg.report_to,
+                    store=store,
+                    run_id=self.run_manifest["run_id"],
+                    job="train",
+                    config=self.config.model_dump(mode="json"),
+                )
+                if cfg.report_to
+                else None
+            )
 
         cache, stream = self.make_data()
         if stream is not None:
             if self.console:
                 from rich.markup import escape
 
-                stream.on_event = lambda message: self.console.print(f"[yellow]{escape(message)}[/]", highlight=False,
-                                                                     soft_wrap=True)
+                stream.on_event = lambda message: self.console.print(
+                    f"[yellow]{escape(message)}[/]", highlight=False, soft_wrap=True
+                )
         scorer = None
         if cfg.task_reward_weight > 0:
             from opd_cache.train.task_reward import score_batch
 
             scorer = lambda batch: score_batch(batch, cache, self.tokenizer)  # noqa: E731
-        loader = BatchLoader(cache=cache, stream=stream, rank=env.rank, world_size=env.world_size,
-                             group=env.data_group, first_step=self.step + 1, max_steps=cfg.max_steps,
-                             version_of_step=self.version_of_step, micro_batch_tokens=cfg.micro_batch_tokens,
-                             aggregation=cfg.aggregation, scorer=scorer, pad_id=self.tokenizer.pad_token_id or 0,
-                             prefetch=cfg.prefetch_batches, pin_memory=env.device.type == "cuda").start()
+        loader = BatchLoader(
+            cache=cache,
+            stream=stream,
+            rank=env.rank,
+            world_size=env.world_size,
+            group=env.data_group,
+            first_step=self.step + 1,
+            max_steps=cfg.max_steps,
+            version_of_step=self.version_of_step,
+            micro_batch_tokens=cfg.micro_batch_tokens,
+            aggregation=cfg.aggregation,
+            scorer=scorer,
+            pad_id=self.tokenizer.pad_token_id or 0,
+            prefetch=cfg.prefetch_batches,
+            pin_memory=env.device.type == "cuda",
+        ).start()
         if stream is not None:
             stream.on_wait = self._progress_while_waiting(stream, stream.on_wait)
         stopped = "max_steps"
@@ -375,14 +460,25 @@ class Trainer:
         if env.rank == 0:
             tokens = float(sums[1])
             record = {
-                "step": self.step, "policy_version": self.version, "trained_version": batch.version, "lr": lr,
-                "loss": float(sums[0]), "grad_norm": float(grad_norm), "samples": batch.num_rows,
-                "tokens": int(tokens), "input_tokens": int((batch.prompt_lengths + batch.response_lengths).sum()),
-                "micro_batches": len(item.micro_batches), "step_time_s": step_time,
+                "step": self.step,
+                "policy_version": self.version,
+                "trained_version": batch.version,
+                "lr": lr,
+                "loss": float(sums[0]),
+                "grad_norm": float(grad_norm),
+                "samples": batch.num_rows,
+                "tokens": int(tokens),
+                "input_tokens": int((batch.prompt_lengths + batch.response_lengths).sum()),
+                "micro_batches": len(item.micro_batches),
+                "step_time_s": step_time,
                 "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
-                "data_wait_s": queue_wait, "stream_wait_s": batch.wait_seconds, "decode_s": item.decode_seconds,
-                "expired_rows": batch.expired_rows, "expired_total": self.cursor["expired_samples"],
-                "lost_total": self.cursor.get("lost_samples", 0), "lost_shards": self.cursor.get("lost_shards", 0),
+                "data_wait_s": queue_wait,
+                "stream_wait_s": batch.wait_seconds,
+                "decode_s": item.decode_seconds,
+                "expired_rows": batch.expired_rows,
+                "expired_total": self.cursor["expired_samples"],
+                "lost_total": self.cursor.get("lost_samples", 0),
+                "lost_shards": self.cursor.get("lost_shards", 0),
                 "staleness": batch.staleness_histogram(),
                 "loss_min": float(extremes[0]) if tokens else None,
                 "loss_max": -float(extremes[1]) if tokens else None,
@@ -400,8 +496,13 @@ class Trainer:
         return torch.autocast(self.env.device.type, dtype=self.low_precision)
 
     def _write_progress(self, cursor: dict) -> None:
-        write_progress(self.store, step=self.step, policy_version=self.version, cursor=cursor,
-                       extra={"samples_needed_total": samples_needed_total(self.cfg)})  # for pacing
+        write_progress(
+            self.store,
+            step=self.step,
+            policy_version=self.version,
+            cursor=cursor,
+            extra={"samples_needed_total": samples_needed_total(self.cfg)},
+        )  # for pacing
         self._progress_counts = (cursor["trained_samples"], cursor["unrouted_samples"], cursor["expired_samples"])
 
     def _progress_while_waiting(self, stream, then):
@@ -410,6 +511,7 @@ class Trainer:
         Rollout and annotate stop once the unconsumed rows cover the remaining demand; rows that expired
         during this wait would otherwise count as coverage until the step ends, and the step waits for them.
         """
+
         def on_wait() -> None:
             cursor = stream.cursor.to_dict()
             counts = (cursor["trained_samples"], cursor["unrouted_samples"], cursor["expired_samples"])
@@ -418,17 +520,32 @@ class Trainer:
                 self._write_progress(cursor)
             if then is not None:
                 then()
+
         return on_wait
 
     def _publish(self) -> None:
         self.version += 1
-        publish_version(self.store, self.version, self.objective, self.tokenizer, rank=self.env.rank,
-                        distributed=self.env.distributed)
+        publish_version(
+            self.store,
+            self.version,
+            self.objective,
+            self.tokenizer,
+            rank=self.env.rank,
+            distributed=self.env.distributed,
+        )
         self.published_step = self.step
 
     def _save(self) -> None:
-        save_state(self.store, self.step, self.objective, self.optimizer, self.trainer_state(),
-                   rank=self.env.rank, distributed=self.env.distributed, keep=self.cfg.keep_states)
+        save_state(
+            self.store,
+            self.step,
+            self.objective,
+            self.optimizer,
+            self.trainer_state(),
+            rank=self.env.rank,
+            distributed=self.env.distributed,
+            keep=self.cfg.keep_states,
+        )
         self.saved_step, self.saved_cursor = self.step, self.cursor
 
     def _finish(self, stopped: str) -> None:
@@ -447,14 +564,17 @@ class Trainer:
             if self.tracker is not None:
                 self.tracker.close()
             if self.console:
-                self.console.print(f"[bold green]stopped[/] ({stopped}) at step {self.step}, policy version "
-                                   f"{self.version}; trained {self.cursor['trained_samples']} samples, "
-                                   f"{self.cursor['expired_samples']} expired")
+                self.console.print(
+                    f"[bold green]stopped[/] ({stopped}) at step {self.step}, policy version "
+                    f"{self.version}; trained {self.cursor['trained_samples']} samples, "
+                    f"{self.cursor['expired_samples']} expired"
+                )
         self.env.barrier()
 
     def _result(self, stopped: str) -> TrainResult:
-        return TrainResult(self.step, self.version, stopped, self.cursor["trained_samples"],
-                           self.cursor["expired_samples"])
+        return TrainResult(
+            self.step, self.version, stopped, self.cursor["trained_samples"], self.cursor["expired_samples"]
+        )
 
     # ------------------------------------------------------------------ reporting
     def _log(self, record: dict) -> None:
@@ -467,7 +587,9 @@ class Trainer:
                 f"step {record['step']:>5}/{self.cfg.max_steps} v{record['policy_version']} "
                 f"loss {record['loss']:.4f} gnorm {record['grad_norm']:.3f} lr {record['lr']:.2e} "
                 f"{record['tokens_per_s']:,.0f} tok/s wait {record['data_wait_s']:.2f}s "
-                f"staleness[{stale}] expired {record['expired_total']}", highlight=False)
+                f"staleness[{stale}] expired {record['expired_total']}",
+                highlight=False,
+            )
 
 
 def train(config: Config, console=None) -> TrainResult:

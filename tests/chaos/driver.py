@@ -80,9 +80,18 @@ S3_KEY_POINTS = {
 }
 # Probability that the hook stops a stage at a kill point of this kind of file.
 PAUSE_PROBABILITIES = {
-    "rollout-shard": 0.5, "annotated-part": 0.5, "policy": 0.5, "policy-latest": 0.5, "train-state": 0.6,
-    "ledger": 0.3, "skipped-ledger": 0.5, "progress": 0.15, "done-marker": 1.0, "run-manifest": 0.3,
-    "metrics": 0.05, "*": 0.05,
+    "rollout-shard": 0.5,
+    "annotated-part": 0.5,
+    "policy": 0.5,
+    "policy-latest": 0.5,
+    "train-state": 0.6,
+    "ledger": 0.3,
+    "skipped-ledger": 0.5,
+    "progress": 0.15,
+    "done-marker": 1.0,
+    "run-manifest": 0.3,
+    "metrics": 0.05,
+    "*": 0.05,
 }
 
 
@@ -129,30 +138,45 @@ class ChaosReport:
 
     def summary(self) -> str:
         seconds = self.seconds or (self.kills[-1].seconds if self.kills else 0.0)
-        lines = [f"seed {self.seed}: {len(self.kills)} kills in {seconds:.0f} s, {self.pauses} pauses, "
-                 f"LATEST {self.latest_seen}",
-                 "  per stage: " + ", ".join(f"{k} {v}" for k, v in sorted(self.per_stage().items())),
-                 "  per point: " + ", ".join(f"{k} {v}" for k, v in sorted(self.per_point().items())),
-                 "  starts: " + ", ".join(f"{k} {v}" for k, v in sorted(self.starts.items())),
-                 "  damaged: " + ", ".join(f"{c['rel']} ({c['how']})" for c in self.corrupted)]
+        lines = [
+            f"seed {self.seed}: {len(self.kills)} kills in {seconds:.0f} s, {self.pauses} pauses, "
+            f"LATEST {self.latest_seen}",
+            "  per stage: " + ", ".join(f"{k} {v}" for k, v in sorted(self.per_stage().items())),
+            "  per point: " + ", ".join(f"{k} {v}" for k, v in sorted(self.per_point().items())),
+            "  starts: " + ", ".join(f"{k} {v}" for k, v in sorted(self.starts.items())),
+            "  damaged: " + ", ".join(f"{c['rel']} ({c['how']})" for c in self.corrupted),
+        ]
         return "\n".join(lines)
 
 
-def chaos_config(workdir: Path, store_uri: str, *, s3_endpoint: str | None = None,
-                 max_steps: int = 20) -> Path:
+def chaos_config(workdir: Path, store_uri: str, *, s3_endpoint: str | None = None, max_steps: int = 20) -> Path:
     """The tiny `opd run` configuration, shortened for killing: small shards, frequent versions and states."""
     batch = 16
     config = {
         "store": {"uri": store_uri, **({"s3_endpoint": s3_endpoint} if s3_endpoint else {})},
-        "rollout": {"student": str(REPO / "data/models/student"),
-                    "prompts": str(REPO / "data/arithmetic/train.parquet"),
-                    "n": 4, "batch_prompts": 4, "flush_rows": batch, "max_buffer_samples": 3 * batch,
-                    "sampling": {"max_new_tokens": 10}, "poll_seconds": 0.2},
+        "rollout": {
+            "student": str(REPO / "data/models/student"),
+            "prompts": str(REPO / "data/arithmetic/train.parquet"),
+            "n": 4,
+            "batch_prompts": 4,
+            "flush_rows": batch,
+            "max_buffer_samples": 3 * batch,
+            "sampling": {"max_new_tokens": 10},
+            "poll_seconds": 0.2,
+        },
         "annotate": {"teacher": str(REPO / "data/models/teacher"), "top_k": 8, "poll_seconds": 0.2},
         # save_every 3 vs publish_every 2: kills between a publication and the next state are common, so the
         # resumed trainer retrains steps whose version is already published. max_staleness 1 makes rows expire.
-        "train": {"max_steps": max_steps, "global_batch_samples": batch, "lr": 1e-3, "publish_every": 2,
-                  "save_every": 3, "max_staleness": 1, "poll_seconds": 0.2, "keep_states": 2},
+        "train": {
+            "max_steps": max_steps,
+            "global_batch_samples": batch,
+            "lr": 1e-3,
+            "publish_every": 2,
+            "save_every": 3,
+            "max_staleness": 1,
+            "poll_seconds": 0.2,
+            "keep_states": 2,
+        },
         "run": {"evaluate": False},
     }
     path = workdir / "config.yaml"
@@ -191,11 +215,18 @@ class ChaosDriver:
         self.rng = random.Random(settings.seed)
         self.report = ChaosReport(seed=settings.seed)
         pythonpath = os.pathsep.join(p for p in (str(HOOK_DIR), os.environ.get("PYTHONPATH", "")) if p)
-        self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-                    "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath, "OPD_CHAOS_DIR": str(self.pause_dir),
-                    "OPD_CHAOS_STORE_ROOT": self.store.root if self.store.is_local else "",
-                    "OPD_CHAOS_SEED": str(settings.seed),
-                    "OPD_CHAOS_PAUSE": ",".join(f"{k}={v}" for k, v in PAUSE_PROBABILITIES.items())}
+        self.env = {
+            **os.environ,
+            **(env or {}),
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": pythonpath,
+            "OPD_CHAOS_DIR": str(self.pause_dir),
+            "OPD_CHAOS_STORE_ROOT": self.store.root if self.store.is_local else "",
+            "OPD_CHAOS_SEED": str(settings.seed),
+            "OPD_CHAOS_PAUSE": ",".join(f"{k}={v}" for k, v in PAUSE_PROBABILITIES.items()),
+        }
         self._t0 = 0.0
         self._started_at: dict[str, float] = {}
         self._tmp_seen: set[str] = set()
@@ -232,19 +263,25 @@ class ChaosDriver:
 
     def _is_up(self, stage: StageProcess) -> bool:
         """Past start-up (imports, model loading): it has written to the store since it started, or ran 60 s."""
-        return ((self.pause_dir / f"up-{stage.proc.pid}").exists()
-                or time.monotonic() - self._started_at[stage.name] > 60.0)
+        return (self.pause_dir / f"up-{stage.proc.pid}").exists() or time.monotonic() - self._started_at[
+            stage.name
+        ] > 60.0
 
     def _running(self, kind: str | None = None) -> list[StageProcess]:
-        return [s for s in self.stages if s.proc is not None and s.proc.poll() is None
-                and (kind is None or _stage_kind(s.name) == kind)]
+        return [
+            s
+            for s in self.stages
+            if s.proc is not None and s.proc.poll() is None and (kind is None or _stage_kind(s.name) == kind)
+        ]
 
     # ------------------------------------------------------------ what to kill
     def _quotas_met(self) -> bool:
         per_stage, per_point = self.report.per_stage(), self.report.per_point()
-        return (len(self.report.kills) >= self.settings.kills
-                and all(per_stage[k] >= self.settings.min_kills_per_stage for k in ("rollout", "annotate", "train"))
-                and all(per_point[p] >= n for p, n in self.settings.key_points.items()))
+        return (
+            len(self.report.kills) >= self.settings.kills
+            and all(per_stage[k] >= self.settings.min_kills_per_stage for k in ("rollout", "annotate", "train"))
+            and all(per_point[p] >= n for p, n in self.settings.key_points.items())
+        )
 
     def _extra_kills_left(self) -> bool:
         """Kills beyond the key points' quotas are still wanted (the quotas' remaining kills are reserved)."""
@@ -372,18 +409,27 @@ class ChaosDriver:
         # trainer that skipped a quarantined part would train its steps in another order than the versions
         # already published, which the replay check below would rightly refuse; see docs/reliability.md).
         try:
-            finished = set(json.loads(self.store.read_bytes(f"{state_rel(states[0])}/trainer.json"))["cursor"]
-                           ["finished"]) if states else set()
+            finished = (
+                set(json.loads(self.store.read_bytes(f"{state_rel(states[0])}/trainer.json"))["cursor"]["finished"])
+                if states
+                else set()
+            )
         except (FileNotFoundError, ValueError, KeyError):
             finished = set()
-        candidates = [self.store.annotated_path(shard, teacher)
-                      for shard, teachers in self.store.list_annotated_parts().items() if shard in finished
-                      for teacher in teachers]
+        candidates = [
+            self.store.annotated_path(shard, teacher)
+            for shard, teachers in self.store.list_annotated_parts().items()
+            if shard in finished
+            for teacher in teachers
+        ]
         damaged_states = {c["rel"].rsplit("/", 1)[0] for c in self.report.corrupted if c["rel"].startswith("train/")}
         if len(states) >= 2 and not damaged_states & {state_rel(s) for s in states}:
             newest = state_rel(states[-1])
-            candidates += [f"{newest}/{info.base_name}" for info in self.store.list_files(newest)
-                           if info.base_name not in ("_COMPLETE", "_CHECKSUMS.json")]
+            candidates += [
+                f"{newest}/{info.base_name}"
+                for info in self.store.list_files(newest)
+                if info.base_name not in ("_COMPLETE", "_CHECKSUMS.json")
+            ]
         done = {c["rel"] for c in self.report.corrupted}
         candidates = sorted(set(candidates) - done)
         if not candidates:
@@ -431,8 +477,10 @@ class ChaosDriver:
             while True:
                 now = time.monotonic()
                 if now - self._t0 > self.settings.timeout_s:
-                    raise ChaosFailure(f"the chaos run did not finish in {self.settings.timeout_s:.0f} s; "
-                                       f"{self.report.summary()}\n{self._log_tails()}")
+                    raise ChaosFailure(
+                        f"the chaos run did not finish in {self.settings.timeout_s:.0f} s; "
+                        f"{self.report.summary()}\n{self._log_tails()}"
+                    )
                 have_run = have_run or self.store.exists("run.json")
                 for stage in self.stages:
                     if stage.name in finished:
@@ -446,11 +494,13 @@ class ChaosDriver:
                         continue
                     self._forget_pause(stage.proc.pid)
                     if code != 0:
-                        raise ChaosFailure(f"{stage.name} exited with status {code} on its own:\n"
-                                           f"{self._log_tail(stage)}")
+                        raise ChaosFailure(
+                            f"{stage.name} exited with status {code} on its own:\n{self._log_tail(stage)}"
+                        )
                     if not self.store.is_done():
-                        raise ChaosFailure(f"{stage.name} exited 0 but train/DONE does not exist:\n"
-                                           f"{self._log_tail(stage)}")
+                        raise ChaosFailure(
+                            f"{stage.name} exited 0 but train/DONE does not exist:\n{self._log_tail(stage)}"
+                        )
                     finished.add(stage.name)
                     stage.proc = None
                 if len(finished) == len(self.stages):
@@ -464,8 +514,11 @@ class ChaosDriver:
                 if now >= next_latest:
                     self._check_latest()
                     next_latest = now + 0.5
-                if now >= next_corrupt and len(self.report.corrupted) < self.settings.corruptions \
-                        and not self.store.is_done():
+                if (
+                    now >= next_corrupt
+                    and len(self.report.corrupted) < self.settings.corruptions
+                    and not self.store.is_done()
+                ):
                     self._corrupt_random_file()
                     next_corrupt = now + self.rng.expovariate(1.0 / self.settings.corrupt_interval_s)
                 time.sleep(0.015)
@@ -492,8 +545,16 @@ class ChaosDriver:
         return "\n".join(self._log_tail(s, 8) for s in self.stages)
 
 
-def run_chaos(workdir: Path, store_uri: str, seed: int, *, s3_endpoint: str | None = None, max_steps: int = 20,
-              env: dict | None = None, **settings) -> tuple[Path, ChaosReport]:
+def run_chaos(
+    workdir: Path,
+    store_uri: str,
+    seed: int,
+    *,
+    s3_endpoint: str | None = None,
+    max_steps: int = 20,
+    env: dict | None = None,
+    **settings,
+) -> tuple[Path, ChaosReport]:
     """Write the configuration, run the driver; returns (config path, report)."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = chaos_config(workdir, store_uri, s3_endpoint=s3_endpoint, max_steps=max_steps)

@@ -108,8 +108,10 @@ def check_damage(store: Store, corrupted: list[dict], pristine: Path) -> dict:
     for name, reason in quarantined.items():
         rel = next((r for r in damaged if r.replace("/", "__") == name), None)
         assert rel is not None, f"{name} was quarantined but never damaged: {reason}"
-        assert any(why in reason for why in ("failed its checksum", "truncated or not an Arrow IPC stream",
-                                             "invalid Arrow data")), f"{name}: quarantined with reason {reason!r}"
+        assert any(
+            why in reason
+            for why in ("failed its checksum", "truncated or not an Arrow IPC stream", "invalid Arrow data")
+        ), f"{name}: quarantined with reason {reason!r}"
     reported = {rel: reason for rel, _, reason in verify_store(store).problems}
     assert set(reported) <= damaged, f"opd verify reports files nobody damaged: {set(reported) - damaged}"
     in_place = [rel for rel in sorted(damaged) if rel in reported]
@@ -125,8 +127,9 @@ def check_damage(store: Store, corrupted: list[dict], pristine: Path) -> dict:
     return {"damaged": len(damaged), "quarantined": len(quarantined), "reported_by_verify": len(in_place)}
 
 
-def check_store(store: Store, cfg: Config, scratch: Path, corrupted: list[dict] | None = None,
-                pristine: Path | None = None) -> dict:
+def check_store(
+    store: Store, cfg: Config, scratch: Path, corrupted: list[dict] | None = None, pristine: Path | None = None
+) -> dict:
     """Every promise of DESIGN.md §6 about what a store holds; returns counts for the report."""
     run = store.require_run()
     stats: dict = {}
@@ -136,7 +139,7 @@ def check_store(store: Store, cfg: Config, scratch: Path, corrupted: list[dict] 
     # 1. Every visible file is complete and readable.
     all_files = store.list_files("", recursive=True)  # never lists *.tmp-* (nor anything inside a *.tmp-* folder)
     root = store.path("").rstrip("/") + "/"
-    rels = [info.path[len(root):] for info in all_files if not info.path[len(root):].startswith("quarantine/")]
+    rels = [info.path[len(root) :] for info in all_files if not info.path[len(root) :].startswith("quarantine/")]
     for rel in rels:
         if rel.endswith(".json"):
             json.loads(store.read_bytes(rel))
@@ -239,9 +242,11 @@ def check_store(store: Store, cfg: Config, scratch: Path, corrupted: list[dict] 
         done_rows |= set(current[: cursor["current_rows"]])
     accounted = set(trained) | set(skipped)
     assert accounted <= all_rows, f"ledger rows that are in no rollout shard: {sorted(accounted - all_rows)[:5]}"
-    assert done_rows == accounted, (f"rows of finished shards neither trained nor expired: "
-                                    f"{sorted(done_rows - accounted)[:5]}; trained or expired rows of unfinished "
-                                    f"shards: {sorted(accounted - done_rows)[:5]}")
+    assert done_rows == accounted, (
+        f"rows of finished shards neither trained nor expired: "
+        f"{sorted(done_rows - accounted)[:5]}; trained or expired rows of unfinished "
+        f"shards: {sorted(accounted - done_rows)[:5]}"
+    )
     pending = all_rows - accounted
     progress = store.read_progress()
     assert progress["step"] == cfg.train.max_steps
@@ -262,7 +267,8 @@ def _count_tmp(store: Store) -> int:
 
 
 def _check_prompt_streams(store: Store, shards, tables: dict[str, pa.Table], cfg: Config) -> int:
-    from opd_cache.rollout import META_CURSOR, META_NUM_PROMPTS, META_SEED, PromptStream
+    from opd_cache.rollout.prompt_stream import PromptStream
+    from opd_cache.rollout.resume import META_CURSOR, META_NUM_PROMPTS, META_SEED
     from opd_cache.tasks.prompts import load_prompts
     from opd_cache.tokenizer import load_tokenizer
 
@@ -309,20 +315,43 @@ def build_replay_store(store: Store, replay_root: Path) -> Store:
         rollout_table = pa.concat_tables(rollout_parts).replace_schema_metadata(None)
         annotated_table = pa.concat_tables(annotated_parts).replace_schema_metadata(None)
         assert rollout_table["sample_id"].to_pylist() == sample_ids.to_pylist()
-        common = dict(run_id=run["run_id"], tokenizer_fingerprint=run["tokenizer_fingerprint"], shard_id=shard_id,
-                      policy_version=0)
-        write_shard(replay, replay.rollout_path(shard_id), rollout_table,
-                    ShardMeta(kind=ROLLOUT, student_topk=int(run.get("student_topk", 0)), **common))
-        write_shard(replay, replay.annotated_path(shard_id, teacher), annotated_table,
-                    ShardMeta(kind=ANNOTATED, top_k=part_meta.top_k, teacher=teacher, **common))
+        common = dict(
+            run_id=run["run_id"],
+            tokenizer_fingerprint=run["tokenizer_fingerprint"],
+            shard_id=shard_id,
+            policy_version=0,
+        )
+        write_shard(
+            replay,
+            replay.rollout_path(shard_id),
+            rollout_table,
+            ShardMeta(kind=ROLLOUT, student_topk=int(run.get("student_topk", 0)), **common),
+        )
+        write_shard(
+            replay,
+            replay.annotated_path(shard_id, teacher),
+            annotated_table,
+            ShardMeta(kind=ANNOTATED, top_k=part_meta.top_k, teacher=teacher, **common),
+        )
     return replay
 
 
 def replay(store: Store, config_path: Path, replay_root: Path, env: dict | None = None) -> Store:
     """Train the chaos run's ledger, step by step, in one uninterrupted `opd train`."""
     replay_store = build_replay_store(store, replay_root)
-    cmd = [sys.executable, "-m", "opd_cache.cli", "train", "--config", str(config_path), "--store", str(replay_root),
-           "--no-follow", "--max-staleness", "1000000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "opd_cache.cli",
+        "train",
+        "--config",
+        str(config_path),
+        "--store",
+        str(replay_root),
+        "--no-follow",
+        "--max-staleness",
+        "1000000",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, f"replay `opd train` failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return replay_store

@@ -74,8 +74,9 @@ def test_kill_anything_on_an_s3_store(tmp_path, s3_endpoint, monkeypatch):
         monkeypatch.setenv(key, value)
     bucket = f"chaos{int(time.time() * 1000) % 10**8}"
     Store(f"s3://{bucket}/run", s3_endpoint=s3_endpoint).fs.create_dir(bucket)
-    config, report = run_chaos(tmp_path / "chaos", f"s3://{bucket}/run", SEEDS[0], s3_endpoint=s3_endpoint,
-                               env=credentials)
+    config, report = run_chaos(
+        tmp_path / "chaos", f"s3://{bucket}/run", SEEDS[0], s3_endpoint=s3_endpoint, env=credentials
+    )
     assert_coverage(report, S3_KEY_POINTS)
     stats = check_and_replay(tmp_path, config, report, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert stats["max_weight_difference"] <= 1e-5

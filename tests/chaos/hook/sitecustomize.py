@@ -54,12 +54,20 @@ def _install() -> None:
 
     def kind_of(rel: str) -> str:
         rel = rel.split(".tmp-")[0]
-        for prefix, kind in (("rollouts/", "rollout-shard"), ("annotated/", "annotated-part"),
-                             ("policy/LATEST", "policy-latest"), ("policy/", "policy"),
-                             ("train/state", "train-state"), ("train/consumed/", "ledger"),
-                             ("train/skipped/", "skipped-ledger"), ("train/progress", "progress"),
-                             ("train/DONE", "done-marker"), ("metrics/", "metrics"), ("run.json", "run-manifest"),
-                             ("quarantine/", "quarantine")):
+        for prefix, kind in (
+            ("rollouts/", "rollout-shard"),
+            ("annotated/", "annotated-part"),
+            ("policy/LATEST", "policy-latest"),
+            ("policy/", "policy"),
+            ("train/state", "train-state"),
+            ("train/consumed/", "ledger"),
+            ("train/skipped/", "skipped-ledger"),
+            ("train/progress", "progress"),
+            ("train/DONE", "done-marker"),
+            ("metrics/", "metrics"),
+            ("run.json", "run-manifest"),
+            ("quarantine/", "quarantine"),
+        ):
             if rel.startswith(prefix):
                 return kind
         return "other"
@@ -67,7 +75,7 @@ def _install() -> None:
     def relative(path: str) -> str | None:
         path = str(path)
         if local_root and path.startswith(local_root + "/"):
-            return path[len(local_root) + 1:]
+            return path[len(local_root) + 1 :]
         return None
 
     def pause(kind: str, moment: str) -> None:

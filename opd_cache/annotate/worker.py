@@ -39,12 +39,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from opd_cache.codec import META_ID_BITS, encode_annotation
 from opd_cache.config import AnnotateConfig
-from opd_cache.engines import engine_fields
+from opd_cache.engine import engine_fields
 from opd_cache.metrics import MetricsLog
 from opd_cache.progress import Every
-from opd_cache.rollout import count_rows
-from opd_cache.schema import (ANNOTATED, ROLLOUT, ShardError, ShardMeta, annotated_table, flat_values, list_lengths,
-                              read_shard, write_shard)
+from opd_cache.schema import (
+    ANNOTATED,
+    ROLLOUT,
+    ShardError,
+    ShardMeta,
+    annotated_table,
+    count_rows,
+    flat_values,
+    list_lengths,
+    read_shard,
+    write_shard,
+)
 from opd_cache.store import ShardInfo, ShardWatch, Store, StoreError, validate_name
 from opd_cache.tokenizer import check_compatible, load_tokenizer, tokenizer_fingerprint
 
@@ -109,22 +118,30 @@ def check_teacher_tokenizer(store: Store, run: dict, teacher_tok, teacher: str, 
     expected = run.get("tokenizer_fingerprint")
     got = tokenizer_fingerprint(teacher_tok)
     if expected and got != expected:
-        raise ValueError(f"teacher {teacher} and student {student} tokenizers differ: the teacher's fingerprint is "
-                         f"{got}, the run's (run.json) is {expected}")
+        raise ValueError(
+            f"teacher {teacher} and student {student} tokenizers differ: the teacher's fingerprint is "
+            f"{got}, the run's (run.json) is {expected}"
+        )
     if run.get("vocab_size") is not None and len(teacher_tok) != run["vocab_size"]:
-        raise ValueError(f"teacher {teacher}: its tokenizer has {len(teacher_tok)} tokens, the run's has "
-                         f"{run['vocab_size']} (run.json vocab_size)")
+        raise ValueError(
+            f"teacher {teacher}: its tokenizer has {len(teacher_tok)} tokens, the run's has "
+            f"{run['vocab_size']} (run.json vocab_size)"
+        )
     if embedding_size is not None and embedding_size < len(teacher_tok):
-        raise ValueError(f"teacher {teacher}: the tokenizer has {len(teacher_tok)} tokens but the model's embedding "
-                         f"has only {embedding_size} rows (ids >= {embedding_size} cannot be scored)")
+        raise ValueError(
+            f"teacher {teacher}: the tokenizer has {len(teacher_tok)} tokens but the model's embedding "
+            f"has only {embedding_size} rows (ids >= {embedding_size} cannot be scored)"
+        )
 
 
 def _check_teacher(store: Store, run: dict, name: str, path: str) -> None:
     """A teacher name recorded in run.json with another model path is a contradiction."""
     teachers = run.get("teachers") or {}
     if name in teachers and teachers[name] != path:
-        raise StoreError(f"{store.path('run.json')}: teacher {name!r} is {teachers[name]!r} in this store but "
-                         f"{path!r} was given; use another --teacher-name for a different model")
+        raise StoreError(
+            f"{store.path('run.json')}: teacher {name!r} is {teachers[name]!r} in this store but "
+            f"{path!r} was given; use another --teacher-name for a different model"
+        )
 
 
 def _record_teacher(store: Store, name: str, path: str) -> dict:
@@ -144,8 +161,15 @@ def _record_teacher(store: Store, name: str, path: str) -> dict:
 class Annotator:
     """One annotate worker: `Annotator(store, cfg).run()`; `scorer=` injects an already loaded engine."""
 
-    def __init__(self, store: Store, cfg: AnnotateConfig, *, scorer=None, console: Console | None = None,
-                 progress: bool | None = None):
+    def __init__(
+        self,
+        store: Store,
+        cfg: AnnotateConfig,
+        *,
+        scorer=None,
+        console: Console | None = None,
+        progress: bool | None = None,
+    ):
         self.store = store
         self.cfg = cfg
         self.teacher = validate_name("teacher name", cfg.teacher_name)
@@ -156,29 +180,39 @@ class Annotator:
 
         # 1. tokenizer compatibility and k, before any weights are loaded
         teacher_tok = load_tokenizer(cfg.teacher, trust_remote_code=cfg.trust_remote_code)
-        check_teacher_tokenizer(store, run, teacher_tok, cfg.teacher, _embedding_size(cfg.teacher, cfg.trust_remote_code))
+        check_teacher_tokenizer(
+            store, run, teacher_tok, cfg.teacher, _embedding_size(cfg.teacher, cfg.trust_remote_code)
+        )
         self.vocab_size = len(teacher_tok)
         # flags/YAML win; otherwise an existing store keeps its top_k and routing
         given = cfg.model_fields_set
         self.top_k = cfg.top_k if "top_k" in given or "top_k" not in run else int(run["top_k"])
         if self.top_k > self.vocab_size:
-            raise ValueError(f"--top-k {self.top_k} is larger than the vocabulary of teacher {cfg.teacher} "
-                             f"({self.vocab_size} tokens)")
+            raise ValueError(
+                f"--top-k {self.top_k} is larger than the vocabulary of teacher {cfg.teacher} "
+                f"({self.vocab_size} tokens)"
+            )
         routing = None
         if cfg.routing:
             routing = {"key": cfg.routing_key, "map": dict(cfg.routing), "default": cfg.default_teacher}
 
         # 2. what this worker assumes must agree with the store: checked before the slow model load, but
         #    recorded only after it, so a teacher that cannot be loaded leaves run.json untouched
-        fields = dict(top_k=self.top_k, routing=routing, tokenizer_fingerprint=tokenizer_fingerprint(teacher_tok),
-                      vocab_size=self.vocab_size)
+        fields = dict(
+            top_k=self.top_k,
+            routing=routing,
+            tokenizer_fingerprint=tokenizer_fingerprint(teacher_tok),
+            vocab_size=self.vocab_size,
+        )
         store.check_run(run, **fields)
         _check_teacher(store, run, self.teacher, teacher_path)
         self.routing = run.get("routing") or routing
         if self.routing and self.teacher not in {*self.routing["map"].values(), self.routing.get("default")}:
-            raise ValueError(f"--teacher-name {self.teacher}: the routing in run.json sends no rows to it "
-                             f"(teachers: {sorted(set(self.routing['map'].values()))}, default "
-                             f"{self.routing.get('default')!r})")
+            raise ValueError(
+                f"--teacher-name {self.teacher}: the routing in run.json sends no rows to it "
+                f"(teachers: {sorted(set(self.routing['map'].values()))}, default "
+                f"{self.routing.get('default')!r})"
+            )
 
         # 3. the engine
         self.scorer = scorer if scorer is not None else make_scorer(cfg, self.top_k, self.vocab_size)
@@ -213,9 +247,12 @@ class Annotator:
         shards = self._watch.poll(latest - window, latest)
         self._scored_since_poll = set()
         parts = self._watch.parts
-        return [s for s in shards
-                if self.teacher not in parts.get(s.shard_id, ())
-                and shard_owner(s.shard_id, self.cfg.num_workers) == self.cfg.worker_index]
+        return [
+            s
+            for s in shards
+            if self.teacher not in parts.get(s.shard_id, ())
+            and shard_owner(s.shard_id, self.cfg.num_workers) == self.cfg.worker_index
+        ]
 
     def demand_covered(self) -> bool:
         """Demand-aware pacing (issue #14): shards with this teacher's part cover the trainer's remaining steps.
@@ -248,9 +285,13 @@ class Annotator:
     # ---------------------------------------------------------------- the loop
     def run(self) -> AnnotateStats:
         """Annotate until nothing is pending (or `max_shards`); with `follow`, until the trainer's DONE marker."""
-        columns = [TextColumn(f"[bold]annotate[/] {self.teacher}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("shards  {task.fields[tps]:,.0f} tok/s  backlog {task.fields[backlog]}"),
-                   TimeElapsedColumn()]
+        columns = [
+            TextColumn(f"[bold]annotate[/] {self.teacher}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("shards  {task.fields[tps]:,.0f} tok/s  backlog {task.fields[backlog]}"),
+            TimeElapsedColumn(),
+        ]
         with Progress(*columns, console=self.console, disable=not self.show_progress) as progress:
             task = progress.add_task("annotate", total=None, tps=0.0, backlog=0)
             try:
@@ -275,14 +316,16 @@ class Annotator:
                 if self.too_stale(info, self.store.latest_version()):
                     stale_seen.add(info.shard_id)
                     self.stats.skipped_stale.append(info.shard_id)
-                    self.metrics.log({"event": "skipped_stale", "shard_id": info.shard_id,
-                                      "policy_version": info.policy_version})
+                    self.metrics.log(
+                        {"event": "skipped_stale", "shard_id": info.shard_id, "policy_version": info.policy_version}
+                    )
                     continue
                 if self.demand_covered():
                     break  # the trainer's remaining steps are covered: look again after the next poll
                 worked |= self.annotate_shard(info, backlog=backlog - 1)
-                progress.update(task, completed=len(self.stats.annotated), tps=self.stats.tokens_per_second,
-                                backlog=backlog - 1)
+                progress.update(
+                    task, completed=len(self.stats.annotated), tps=self.stats.tokens_per_second, backlog=backlog - 1
+                )
                 self._print_progress(backlog=backlog - 1)
             if self._limit_reached() or (not worked and not self.cfg.follow):
                 return
@@ -291,9 +334,12 @@ class Annotator:
 
     def _print_progress(self, backlog: int) -> None:
         if self.plain_progress is not None and self.plain_progress.due():
-            self.console.print(f"annotate {self.teacher}: {len(self.stats.annotated)} shards, {self.stats.rows} rows, "
-                               f"{self.stats.tokens_per_second:,.0f} tok/s, {backlog} pending",
-                               highlight=False, soft_wrap=True)
+            self.console.print(
+                f"annotate {self.teacher}: {len(self.stats.annotated)} shards, {self.stats.rows} rows, "
+                f"{self.stats.tokens_per_second:,.0f} tok/s, {backlog} pending",
+                highlight=False,
+                soft_wrap=True,
+            )
 
     def _limit_reached(self) -> bool:
         return self.cfg.max_shards is not None and len(self.stats.annotated) >= self.cfg.max_shards
@@ -321,15 +367,26 @@ class Annotator:
             return True
 
         scores = self.scorer.score(prompts, responses, self.top_k, support)
-        out = annotated_table(sample_ids=rows["sample_id"].to_pylist(), lengths=scores.lengths,
-                              topk_ids=scores.topk_ids, topk_logprobs=scores.topk_logprobs,
-                              token_logprob=scores.token_logprob, logprob_dtype=self.cfg.dtype,
-                              support_logprobs=scores.support_logprobs)
-        out_meta = ShardMeta(kind=ANNOTATED, run_id=self.run_info["run_id"],
-                             tokenizer_fingerprint=self.run_info["tokenizer_fingerprint"], shard_id=info.shard_id,
-                             policy_version=meta.policy_version, top_k=self.top_k, teacher=self.teacher,
-                             student_topk=meta.student_topk if support is not None else 0,
-                             **engine_fields(self.scorer))
+        out = annotated_table(
+            sample_ids=rows["sample_id"].to_pylist(),
+            lengths=scores.lengths,
+            topk_ids=scores.topk_ids,
+            topk_logprobs=scores.topk_logprobs,
+            token_logprob=scores.token_logprob,
+            logprob_dtype=self.cfg.dtype,
+            support_logprobs=scores.support_logprobs,
+        )
+        out_meta = ShardMeta(
+            kind=ANNOTATED,
+            run_id=self.run_info["run_id"],
+            tokenizer_fingerprint=self.run_info["tokenizer_fingerprint"],
+            shard_id=info.shard_id,
+            policy_version=meta.policy_version,
+            top_k=self.top_k,
+            teacher=self.teacher,
+            student_topk=meta.student_topk if support is not None else 0,
+            **engine_fields(self.scorer),
+        )
         if self.cfg.codec == "packed":
             out, codec_meta = encode_annotation(out, self.vocab_size)
             out_meta.codec, out_meta.codec_id_bits = "packed", int(codec_meta[META_ID_BITS])
@@ -343,9 +400,18 @@ class Annotator:
         self.stats.rows += rows.num_rows
         self.stats.tokens += scores.num_tokens
         self.stats.seconds += seconds
-        self.metrics.log({"event": "annotated", "shard_id": info.shard_id, "policy_version": meta.policy_version,
-                          "rows": rows.num_rows, "tokens": scores.num_tokens, "seconds": round(seconds, 4),
-                          "tokens_per_s": round(scores.num_tokens / max(seconds, 1e-9), 1), "backlog": backlog})
+        self.metrics.log(
+            {
+                "event": "annotated",
+                "shard_id": info.shard_id,
+                "policy_version": meta.policy_version,
+                "rows": rows.num_rows,
+                "tokens": scores.num_tokens,
+                "seconds": round(seconds, 4),
+                "tokens_per_s": round(scores.num_tokens / max(seconds, 1e-9), 1),
+                "backlog": backlog,
+            }
+        )
         return True
 
     def _routed_rows(self, table: pa.Table) -> pa.Table:
@@ -354,14 +420,17 @@ class Annotator:
             return table
         key = self.routing["key"]
         if key not in table.schema.names:
-            raise ValueError(f"routing key {key!r} is not a column of the rollout shards "
-                             f"(columns: {', '.join(table.schema.names)}); set annotate.routing_key")
+            raise ValueError(
+                f"routing key {key!r} is not a column of the rollout shards "
+                f"(columns: {', '.join(table.schema.names)}); set annotate.routing_key"
+            )
         values = pc.cast(table[key], pa.string())
         mine = [v for v, t in self.routing["map"].items() if t == self.teacher]
         mask = pc.fill_null(pc.is_in(values, value_set=pa.array(mine, pa.string())), False)
         if self.routing.get("default") == self.teacher:
-            unlisted = pc.invert(pc.fill_null(pc.is_in(values, value_set=pa.array(list(self.routing["map"]),
-                                                                                  pa.string())), False))
+            unlisted = pc.invert(
+                pc.fill_null(pc.is_in(values, value_set=pa.array(list(self.routing["map"]), pa.string())), False)
+            )
             mask = pc.or_(mask, unlisted)
         return table.filter(mask)
 
@@ -373,16 +442,22 @@ class Annotator:
                 columns.append("student_topk_ids")
             elif not self._warned_no_support:
                 self._warned_no_support = True
-                self.console.print(f"[yellow]note:[/] {info.path} has student_topk_ids, but --engine {self.cfg.engine} "
-                                   f"cannot score them; parts get no teacher_support_logprobs (use --engine hf for "
-                                   f"union support)", highlight=False, soft_wrap=True)
+                self.console.print(
+                    f"[yellow]note:[/] {info.path} has student_topk_ids, but --engine {self.cfg.engine} "
+                    f"cannot score them; parts get no teacher_support_logprobs (use --engine hf for "
+                    f"union support)",
+                    highlight=False,
+                    soft_wrap=True,
+                )
         arrays = []
         for name in columns:
             flat = flat_values(rows[name])
             if flat.size and (flat.min() < 0 or flat.max() >= self.vocab_size):
                 bad = int(flat.max()) if flat.max() >= self.vocab_size else int(flat.min())
-                raise ShardError(f"{self.store.path(info.path)}: column {name!r} holds token id {bad}, outside the "
-                                 f"vocabulary 0..{self.vocab_size - 1}")
+                raise ShardError(
+                    f"{self.store.path(info.path)}: column {name!r} holds token id {bad}, outside the "
+                    f"vocabulary 0..{self.vocab_size - 1}"
+                )
             boundaries = np.cumsum(list_lengths(rows[name]))[:-1]
             arrays.append(np.split(flat, boundaries) if rows.num_rows else [])
         prompts, responses = arrays[0], arrays[1]
@@ -393,17 +468,30 @@ class Annotator:
 def make_scorer(cfg: AnnotateConfig, top_k: int, vocab_size: int):
     """The configured scoring engine, loaded once per worker."""
     if cfg.engine == "vllm":
-        from opd_cache.engines.vllm_score import VLLMScorer
+        from opd_cache.annotate.vllm_score import VLLMScorer
 
-        return VLLMScorer(cfg.teacher, max_top_k=top_k, model_dtype=cfg.model_dtype,
-                          tensor_parallel_size=cfg.tensor_parallel_size, trust_remote_code=cfg.trust_remote_code,
-                          gpu_memory_utilization=cfg.gpu_memory_utilization, vocab_limit=vocab_size)
-    from opd_cache.engines.hf_score import HFScorer
+        return VLLMScorer(
+            cfg.teacher,
+            max_top_k=top_k,
+            model_dtype=cfg.model_dtype,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            trust_remote_code=cfg.trust_remote_code,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            vocab_limit=vocab_size,
+        )
+    from opd_cache.annotate.hf_score import HFScorer
 
-    return HFScorer.load(cfg.teacher, model_dtype=cfg.model_dtype, device=cfg.device,
-                         attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code,
-                         max_tokens_per_batch=cfg.max_tokens_per_batch, head_chunk_tokens=cfg.head_chunk_tokens,
-                         padding_side=cfg.padding_side, vocab_limit=vocab_size)
+    return HFScorer.load(
+        cfg.teacher,
+        model_dtype=cfg.model_dtype,
+        device=cfg.device,
+        attn_implementation=cfg.attn_implementation,
+        trust_remote_code=cfg.trust_remote_code,
+        max_tokens_per_batch=cfg.max_tokens_per_batch,
+        head_chunk_tokens=cfg.head_chunk_tokens,
+        padding_side=cfg.padding_side,
+        vocab_limit=vocab_size,
+    )
 
 
 def annotate(store: Store, cfg: AnnotateConfig, **kwargs) -> AnnotateStats:

@@ -27,31 +27,15 @@ teacher and a student with different padding agree on the support).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from opd_cache.engines import EngineInfo, hf_engine_info, resolve_device, torch_dtype
+from opd_cache.engine import EngineInfo, TeacherScores, hf_engine_info, resolve_device, torch_dtype
 
 # Elements of one float32 [chunk, vocab] logits block (256 MiB); sets the default chunk of positions.
 HEAD_CHUNK_ELEMENTS = 1 << 26
-
-
-@dataclass
-class TeacherScores:
-    """Teacher outputs for N rows, flattened over their response tokens (row after row, input order)."""
-
-    lengths: np.ndarray  # [N] int64, response tokens per row
-    topk_ids: np.ndarray  # [T, k] int32, sorted by log-prob, descending
-    topk_logprobs: np.ndarray  # [T, k] float32
-    token_logprob: np.ndarray  # [T] float32, log-prob of the sampled token (exact, even outside the top-k)
-    support_logprobs: np.ndarray | None = None  # [T, k_s] float32, log-probs at the given support ids
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.token_logprob.shape[0])
 
 
 def plan_batches(lengths: np.ndarray, max_tokens_per_batch: int) -> list[np.ndarray]:
@@ -68,7 +52,7 @@ def plan_batches(lengths: np.ndarray, max_tokens_per_batch: int) -> list[np.ndar
     while start < len(order):
         longest = int(lengths[order[start]])
         rows = max(1, max_tokens_per_batch // max(longest, 1))
-        batches.append(order[start:start + rows])
+        batches.append(order[start : start + rows])
         start += rows
     return batches
 
@@ -76,8 +60,16 @@ def plan_batches(lengths: np.ndarray, max_tokens_per_batch: int) -> list[np.ndar
 class HFScorer:
     """Scores (prompt, response) token sequences with a causal LM from transformers."""
 
-    def __init__(self, model, *, max_tokens_per_batch: int = 16384, head_chunk_tokens: int | None = None,
-                 padding_side: str = "right", vocab_limit: int | None = None, name: str = "teacher"):
+    def __init__(
+        self,
+        model,
+        *,
+        max_tokens_per_batch: int = 16384,
+        head_chunk_tokens: int | None = None,
+        padding_side: str = "right",
+        vocab_limit: int | None = None,
+        name: str = "teacher",
+    ):
         if padding_side not in ("right", "left"):
             raise ValueError(f"padding_side {padding_side!r}: expected 'right' or 'left'")
         self.model = model.eval()
@@ -85,8 +77,10 @@ class HFScorer:
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
         if self.decoder is None or self.head is None:
-            raise ValueError(f"teacher {name}: the model exposes no decoder body / output layer "
-                             f"(get_decoder() / get_output_embeddings()); the hf scorer needs both")
+            raise ValueError(
+                f"teacher {name}: the model exposes no decoder body / output layer "
+                f"(get_decoder() / get_output_embeddings()); the hf scorer needs both"
+            )
         self.device = next(model.parameters()).device
         self.embedding_size = int(self.head.weight.shape[0])
         self.vocab_limit = min(vocab_limit or self.embedding_size, self.embedding_size)
@@ -99,12 +93,24 @@ class HFScorer:
         self._check_head_matches_model()
 
     @classmethod
-    def load(cls, path: str, *, model_dtype: str = "float32", device: str = "auto",
-             attn_implementation: str = "sdpa", trust_remote_code: bool = False, **kwargs) -> "HFScorer":
+    def load(
+        cls,
+        path: str,
+        *,
+        model_dtype: str = "float32",
+        device: str = "auto",
+        attn_implementation: str = "sdpa",
+        trust_remote_code: bool = False,
+        **kwargs,
+    ) -> HFScorer:
         from opd_cache.models import load_causal_lm
 
-        model = load_causal_lm(path, dtype=torch_dtype(model_dtype), attn_implementation=attn_implementation,
-                               trust_remote_code=trust_remote_code)
+        model = load_causal_lm(
+            path,
+            dtype=torch_dtype(model_dtype),
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
         return cls(model.to(resolve_device(device)), name=str(path), **kwargs)
 
     @property
@@ -113,8 +119,13 @@ class HFScorer:
 
     # ------------------------------------------------------------------ scoring
     @torch.inference_mode()
-    def score(self, prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray], k: int,
-              support_ids: Sequence[np.ndarray] | None = None) -> TeacherScores:
+    def score(
+        self,
+        prompts: Sequence[np.ndarray],
+        responses: Sequence[np.ndarray],
+        k: int,
+        support_ids: Sequence[np.ndarray] | None = None,
+    ) -> TeacherScores:
         """Top-k ids/log-probs and the sampled token's log-prob at every response position.
 
         `prompts[i]` / `responses[i]` are 1-D token id arrays; `support_ids[i]`
@@ -122,8 +133,10 @@ class HFScorer:
         log-probs are gathered too (the student's top-k, for union support).
         """
         if not 1 <= k <= self.vocab_limit:
-            raise ValueError(f"top-k {k} must be between 1 and the vocabulary size of teacher {self.name} "
-                             f"({self.vocab_limit} tokens)")
+            raise ValueError(
+                f"top-k {k} must be between 1 and the vocabulary size of teacher {self.name} "
+                f"({self.vocab_limit} tokens)"
+            )
         prompt_lens = np.array([len(p) for p in prompts], dtype=np.int64)
         lengths = np.array([len(r) for r in responses], dtype=np.int64)
         if len(prompt_lens) and prompt_lens.min() == 0:
@@ -154,8 +167,10 @@ class HFScorer:
         fed_lens = prompt_lens[rows] + lengths[rows] - 1
         width = int(fed_lens.max())
         if self.max_positions is not None and width > self.max_positions:
-            raise ValueError(f"teacher {self.name}: a sequence of {width} tokens (prompt + response) exceeds the "
-                             f"model's max_position_embeddings {self.max_positions}")
+            raise ValueError(
+                f"teacher {self.name}: a sequence of {width} tokens (prompt + response) exceeds the "
+                f"model's max_position_embeddings {self.max_positions}"
+            )
 
         # Padded inputs. Right padding needs no attention mask: with causal attention a real token never
         # sees the padding after it, and leaving the mask out keeps SDPA on its fused causal kernel.
@@ -182,8 +197,9 @@ class HFScorer:
         targets = torch.from_numpy(np.concatenate([responses[i] for i in rows]).astype(np.int64)).to(self.device)
         support = None
         if support_ids is not None:
-            support = torch.from_numpy(np.concatenate(
-                [np.asarray(support_ids[i], dtype=np.int64) for i in rows])).to(self.device)
+            support = torch.from_numpy(np.concatenate([np.asarray(support_ids[i], dtype=np.int64) for i in rows])).to(
+                self.device
+            )
 
         ids, lps, tok, sup = self._head_topk(h, targets, support, k)
         dest = np.repeat(row_offsets[rows], resp_lens) + t_in_row  # where each position goes in the output
@@ -223,7 +239,9 @@ class HFScorer:
     def _check_head_matches_model(self) -> None:
         """Refuse models whose logits are not `head(decoder(x))` (+ softcapping): we would score them wrongly."""
         probe = torch.arange(min(8, self.vocab_limit), device=self.device)[None]
-        expected = torch.log_softmax(self.model(input_ids=probe, use_cache=False).logits[0, :, : self.vocab_limit].float(), -1)
+        expected = torch.log_softmax(
+            self.model(input_ids=probe, use_cache=False).logits[0, :, : self.vocab_limit].float(), -1
+        )
         got = self._logprobs(self.decoder(input_ids=probe, use_cache=False).last_hidden_state[0])
         tolerance = 1e-4 if self.head.weight.dtype == torch.float32 else 5e-2
         if not torch.allclose(got, expected, atol=tolerance, rtol=tolerance):

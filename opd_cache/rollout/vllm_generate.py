@@ -41,14 +41,14 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from opd_cache.config import SamplingConfig
-from opd_cache.engines import EngineInfo
-from opd_cache.engines.hf_generate import FINISH_LENGTH, FINISH_STOP, Response
-from opd_cache.engines.vllm_common import start_llm, vllm_engine_info
+from opd_cache.engine import FINISH_LENGTH, FINISH_STOP, EngineInfo, Response
+from opd_cache.vllm_common import start_llm, vllm_engine_info
 
 logger = logging.getLogger(__name__)
 
@@ -57,18 +57,22 @@ logger = logging.getLogger(__name__)
 def _sampled_logprob(position: dict, token_id: int, where: str) -> float:
     entry = position.get(token_id) if position else None
     if entry is None:
-        raise ValueError(f"{where}: vLLM returned no log-prob for the sampled token {token_id} "
-                         f"(was SamplingParams.logprobs set?)")
+        raise ValueError(
+            f"{where}: vLLM returned no log-prob for the sampled token {token_id} (was SamplingParams.logprobs set?)"
+        )
     return float(entry.logprob)
 
 
 def _topk_ids(position: dict, k: int, where: str) -> list[int]:
     # The dict holds the sampled token (with its true rank) and the top-k tokens (ranks 1..k).
-    ranked = sorted((entry.rank, token_id) for token_id, entry in position.items()
-                    if entry.rank is not None and entry.rank <= k)
+    ranked = sorted(
+        (entry.rank, token_id) for token_id, entry in position.items() if entry.rank is not None and entry.rank <= k
+    )
     if len(ranked) < k:
-        raise ValueError(f"{where}: vLLM returned {len(ranked)} top log-probs, expected {k} "
-                         f"(SamplingParams.logprobs must be >= student_topk)")
+        raise ValueError(
+            f"{where}: vLLM returned {len(ranked)} top log-probs, expected {k} "
+            f"(SamplingParams.logprobs must be >= student_topk)"
+        )
     return [token_id for _, token_id in ranked[:k]]
 
 
@@ -86,19 +90,22 @@ def responses_from_vllm(request_outputs: Sequence[Any], n: int, student_topk: in
             if positions is None or len(positions) != len(token_ids):
                 got = None if positions is None else len(positions)
                 raise ValueError(f"{where}: {len(token_ids)} tokens but log-probs for {got} positions")
-            logprobs = np.array([_sampled_logprob(positions[t], int(tok), where) for t, tok in enumerate(token_ids)],
-                                dtype=np.float32)
+            logprobs = np.array(
+                [_sampled_logprob(positions[t], int(tok), where) for t, tok in enumerate(token_ids)], dtype=np.float32
+            )
             topk = None
             if student_topk:
-                topk = np.array([_topk_ids(positions[t], student_topk, where) for t in range(len(token_ids))],
-                                dtype=np.int32).reshape(len(token_ids), student_topk)
+                topk = np.array(
+                    [_topk_ids(positions[t], student_topk, where) for t in range(len(token_ids))], dtype=np.int32
+                ).reshape(len(token_ids), student_topk)
             if completion.finish_reason == "length":
                 finish = FINISH_LENGTH
             elif completion.finish_reason == "stop":
                 finish = FINISH_STOP
             else:  # "abort" or None: the request did not complete
-                raise ValueError(f"{where}: vLLM finished with {completion.finish_reason!r}, "
-                                 f"expected 'stop' or 'length'")
+                raise ValueError(
+                    f"{where}: vLLM finished with {completion.finish_reason!r}, expected 'stop' or 'length'"
+                )
             responses.append(Response(token_ids=token_ids, logprobs=logprobs, finish_reason=finish, topk_ids=topk))
     return responses
 
@@ -139,9 +146,19 @@ def _reprocess_output_layer(model) -> None:
 
 
 class VLLMGenerator:
-    def __init__(self, model_path: str | os.PathLike, *, tensor_parallel_size: int = 1, dtype: str = "float32",
-                 seed: int = 0, max_logprobs: int = 20, gpu_memory_utilization: float = 0.85,
-                 trust_remote_code: bool = False, reload: str = RELOAD_IN_PLACE, **llm_kwargs):
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        tensor_parallel_size: int = 1,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_logprobs: int = 20,
+        gpu_memory_utilization: float = 0.85,
+        trust_remote_code: bool = False,
+        reload: str = RELOAD_IN_PLACE,
+        **llm_kwargs,
+    ):
         if reload not in (RELOAD_IN_PLACE, RELOAD_RECREATE):
             raise ValueError(f"reload {reload!r}: use {RELOAD_IN_PLACE!r} or {RELOAD_RECREATE!r}")
         self.reload = reload
@@ -151,9 +168,14 @@ class VLLMGenerator:
         # apply_model pickles `_reprocess_output_layer` to vLLM's worker processes (our own processes, started
         # by this engine); vLLM only allows sending functions when this is set.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        self._llm_kwargs = dict(tensor_parallel_size=tensor_parallel_size, seed=seed,
-                                gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
-                                logprobs_mode="processed_logprobs", **llm_kwargs)
+        self._llm_kwargs = dict(
+            tensor_parallel_size=tensor_parallel_size,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            trust_remote_code=trust_remote_code,
+            logprobs_mode="processed_logprobs",
+            **llm_kwargs,
+        )
         self.llm = self._start(os.fspath(model_path))
 
     def _start(self, model_path: str):
@@ -163,16 +185,21 @@ class VLLMGenerator:
     def info(self) -> EngineInfo:
         return vllm_engine_info(self.llm)
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig,
-                 student_topk: int = 0, seed: int | None = None) -> list[Response]:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingConfig,
+        student_topk: int = 0,
+        seed: int | None = None,
+    ) -> list[Response]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if not prompt_token_ids:
             return []
         if student_topk > self.max_logprobs:
-            raise ValueError(f"student_topk {student_topk} is above the vllm engine's max_logprobs "
-                             f"{self.max_logprobs}")
+            raise ValueError(f"student_topk {student_topk} is above the vllm engine's max_logprobs {self.max_logprobs}")
         params = SamplingParams(**sampling_params_kwargs(sampling, n, student_topk, seed))
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)

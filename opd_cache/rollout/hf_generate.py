@@ -27,39 +27,27 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from opd_cache.config import SamplingConfig
-from opd_cache.engines import EngineInfo, hf_engine_info, resolve_device, torch_dtype
-
-FINISH_STOP = "stop"  # EOS or a stop string
-FINISH_LENGTH = "length"  # max_new_tokens reached
-
-
-@dataclass
-class Response:
-    """One sampled response, as every engine returns it."""
-
-    token_ids: np.ndarray  # int32 [T]; includes the EOS token when finish_reason == "stop" by EOS
-    logprobs: np.ndarray  # float32 [T]; behavior log-prob of each token (the distribution sampled from)
-    finish_reason: str  # "stop" | "length"
-    topk_ids: np.ndarray | None = None  # int32 [T, k_s]: the student's top-k ids per position, when asked
-
-
-class GenerationEngine(Protocol):
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig,
-                 student_topk: int = 0, seed: int | None = None) -> list[Response]: ...
-
-    def load_policy(self, path: str | os.PathLike) -> None: ...
+from opd_cache.engine import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineInfo,
+    Response,
+    hf_engine_info,
+    resolve_device,
+    torch_dtype,
+)
 
 
 # ---------------------------------------------------------------- the sampling distribution
-def sampling_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                      vocab_limit: int | None = None) -> torch.Tensor:
+def sampling_logprobs(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, vocab_limit: int | None = None
+) -> torch.Tensor:
     """Log-probs `[B, V]` (float32) of the distribution we sample from: logits / temperature,
     then top-k, then top-p (the order of transformers and vLLM), renormalised.
 
@@ -100,6 +88,7 @@ def resolve_attn_implementation(requested: str, device: torch.device, dtype: tor
         if flash_ok:
             try:
                 import flash_attn  # noqa: F401
+
                 return "flash_attention_2"
             except ImportError:
                 pass
@@ -108,11 +97,15 @@ def resolve_attn_implementation(requested: str, device: torch.device, dtype: tor
         try:
             import flash_attn  # noqa: F401
         except ImportError:
-            raise ValueError("attn_implementation flash_attention_2: flash-attn is not installed "
-                             "(pip install 'opd-cache[gpu]'), use sdpa or auto") from None
+            raise ValueError(
+                "attn_implementation flash_attention_2: flash-attn is not installed "
+                "(pip install 'opd-cache[gpu]'), use sdpa or auto"
+            ) from None
         if not flash_ok:
-            raise ValueError(f"attn_implementation flash_attention_2 needs a CUDA device and dtype bfloat16 or "
-                             f"float16, got {device.type} / {str(dtype).removeprefix('torch.')}")
+            raise ValueError(
+                f"attn_implementation flash_attention_2 needs a CUDA device and dtype bfloat16 or "
+                f"float16, got {device.type} / {str(dtype).removeprefix('torch.')}"
+            )
     return requested
 
 
@@ -137,8 +130,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
     mask = np.zeros((len(prompts), width), dtype=np.int64)
     for row, prompt in enumerate(prompts):
         if len(prompt):
-            ids[row, width - len(prompt):] = prompt
-            mask[row, width - len(prompt):] = 1
+            ids[row, width - len(prompt) :] = prompt
+            mask[row, width - len(prompt) :] = 1
     return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
 
 
@@ -152,17 +145,31 @@ def _stop_string_window(stop: Sequence[str]) -> int:
 class HFGenerator:
     """Batched sampling with the KV cache on CPU or GPU."""
 
-    def __init__(self, model_path: str | os.PathLike, *, tokenizer=None, device: str = "auto",
-                 dtype: str = "float32", attn_implementation: str = "sdpa", eos_token_ids: Sequence[int] = (),
-                 pad_token_id: int | None = None, vocab_limit: int | None = None, seed: int = 0,
-                 trust_remote_code: bool = False):
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        tokenizer=None,
+        device: str = "auto",
+        dtype: str = "float32",
+        attn_implementation: str = "sdpa",
+        eos_token_ids: Sequence[int] = (),
+        pad_token_id: int | None = None,
+        vocab_limit: int | None = None,
+        seed: int = 0,
+        trust_remote_code: bool = False,
+    ):
         from opd_cache.models import load_causal_lm
 
         self.device = resolve_device(device)
         self.dtype = torch_dtype(dtype)
         self.attn_implementation = resolve_attn_implementation(attn_implementation, self.device, self.dtype)
-        self.model = load_causal_lm(model_path, dtype=self.dtype, attn_implementation=self.attn_implementation,
-                                    trust_remote_code=trust_remote_code).to(self.device)
+        self.model = load_causal_lm(
+            model_path,
+            dtype=self.dtype,
+            attn_implementation=self.attn_implementation,
+            trust_remote_code=trust_remote_code,
+        ).to(self.device)
         self.tokenizer = tokenizer  # only needed to decode tails for stop strings
         eos = list(eos_token_ids)
         if not eos:
@@ -196,12 +203,15 @@ class HFGenerator:
         current = self.model.state_dict()
         unexpected = sorted(set(state) - set(current))
         if unexpected:
-            raise ValueError(f"policy {path}: weights {unexpected[:3]} do not exist in the loaded model "
-                             f"(a different architecture?)")
+            raise ValueError(
+                f"policy {path}: weights {unexpected[:3]} do not exist in the loaded model (a different architecture?)"
+            )
         for key, tensor in state.items():
             if tensor.shape != current[key].shape:
-                raise ValueError(f"policy {path}: {key} has shape {tuple(tensor.shape)}, the loaded model has "
-                                 f"{tuple(current[key].shape)}")
+                raise ValueError(
+                    f"policy {path}: {key} has shape {tuple(tensor.shape)}, the loaded model has "
+                    f"{tuple(current[key].shape)}"
+                )
         # Tied weights (e.g. lm_head = embed_tokens) are saved once; they share storage with a loaded tensor.
         loaded_storage = {current[k].data_ptr() for k in state}
         missing = [k for k in current if k not in state and current[k].data_ptr() not in loaded_storage]
@@ -212,8 +222,14 @@ class HFGenerator:
 
     # ------------------------------------------------------------ sampling
     @torch.inference_mode()
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig,
-                 student_topk: int = 0, seed: int | None = None) -> list[Response]:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingConfig,
+        student_topk: int = 0,
+        seed: int | None = None,
+    ) -> list[Response]:
         if not prompt_token_ids:
             return []
         for i, prompt in enumerate(prompt_token_ids):
@@ -250,11 +266,16 @@ class HFGenerator:
             kwargs = {self._cache_kwarg: cache, "use_cache": True}
             if self._keep_last_logits:
                 kwargs["logits_to_keep"] = 1  # never materialise [B, L, V] logits for the prompt
-            out = self.model(input_ids=step_input, attention_mask=attention_mask[:, : input_ids.shape[1] + step],
-                             position_ids=step_positions, **kwargs)
+            out = self.model(
+                input_ids=step_input,
+                attention_mask=attention_mask[:, : input_ids.shape[1] + step],
+                position_ids=step_positions,
+                **kwargs,
+            )
             logits = out.logits[:, -1, :]
-            step_logprobs = sampling_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p,
-                                              self.vocab_limit)
+            step_logprobs = sampling_logprobs(
+                logits, sampling.temperature, sampling.top_k, sampling.top_p, self.vocab_limit
+            )
             sampled = sample_from_logprobs(step_logprobs, generator)
 
             active = ~finished
@@ -272,18 +293,19 @@ class HFGenerator:
                 finished |= hit_stop
             if bool(finished.all()):
                 break
-            step_input = tokens[:, step: step + 1]
+            step_input = tokens[:, step : step + 1]
             step_positions = next_position + step
 
         return self._responses(tokens, logprobs, topk_ids, lengths, stopped)
 
-    def _stop_string_hits(self, tokens: torch.Tensor, step: int, finished: torch.Tensor, stop: list[str],
-                          window: int) -> torch.Tensor:
+    def _stop_string_hits(
+        self, tokens: torch.Tensor, step: int, finished: torch.Tensor, stop: list[str], window: int
+    ) -> torch.Tensor:
         hits = torch.zeros_like(finished)
         active_rows = (~finished).nonzero().flatten().tolist()
         if not active_rows:
             return hits
-        tails = tokens[active_rows, max(0, step + 1 - window): step + 1].tolist()
+        tails = tokens[active_rows, max(0, step + 1 - window) : step + 1].tolist()
         for row, tail in zip(active_rows, tails):
             text = self.tokenizer.decode(tail, skip_special_tokens=False)
             if any(s in text for s in stop):

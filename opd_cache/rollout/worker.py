@@ -1,0 +1,419 @@
+"""`opd rollout`: the student samples responses to prompts and publishes them as rollout shards.
+
+The worker loop, top to bottom:
+
+1. Load the student's tokenizer and the prompts, and check them against
+   `run.json` (bad input fails here, before anything is written).
+2. Load the newest published policy (`policy/LATEST`, or the configured student
+   as version 0), then create or complete `run.json` (student, tokenizer
+   fingerprint, vocabulary size, `student_topk`).
+3. Resume: this worker's own last shard records where the worker was in the
+   prompt stream (`opd.rollout.cursor` in its metadata), so a restarted worker
+   (even after SIGKILL) neither repeats nor skips prompts. Nothing else holds
+   state: there is no side file to get out of sync with the shards.
+4. Loop: reload the weights when a newer version is published; wait while the
+   unconsumed backlog exceeds `max_buffer_samples`, or covers all the trainer's
+   remaining steps need (`samples_needed_total` in its progress), or the loaded
+   version is more than `max_staleness` behind; sample the next batch of prompts
+   (no more than that demand); publish a shard every `flush_rows` rows or
+   `flush_seconds` seconds.
+5. Stop after `max_samples` / `max_shards` (totals for this worker, so a
+   restart with the same command finishes the job instead of redoing it), at
+   the trainer's `train/DONE` with `follow`, on SIGINT/SIGTERM (the CLI sets
+   `stop`), or after one pass over the prompts when none of these is given.
+   Whatever is buffered is flushed on the way out.
+
+The prompt stream is infinite and deterministic: epoch e visits every prompt
+once, in a permutation drawn from (seed, worker id, e). The cursor is the
+position in that stream; prompt `cursor` is epoch `cursor // len(prompts)`.
+A shard always holds whole prompts (all `n` samples of each), so its rows are
+`ceil(flush_rows / n) * n` except for the last, partial flush.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from opd_cache.config import RolloutConfig
+from opd_cache.engine import engine_fields
+from opd_cache.metrics import MetricsLog
+from opd_cache.rollout.display import ProgressDisplay
+from opd_cache.rollout.pacing import BacklogGauge
+from opd_cache.rollout.policy import CorruptPolicyError, PolicyFiles, check_policy_tokenizer, student_id
+from opd_cache.rollout.prompt_stream import PromptStream, batch_seed
+from opd_cache.rollout.resume import RolloutShardMeta, resume_point
+from opd_cache.schema import ROLLOUT, rollout_table, write_shard
+from opd_cache.store import Store, make_shard_id, validate_worker_id
+from opd_cache.tasks.prompts import PromptSet, load_prompts
+from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+
+@dataclass
+class RolloutResult:
+    shards: list[str] = field(default_factory=list)  # shard ids written by this call
+    samples: int = 0  # rows written by this call
+    tokens: int = 0  # response tokens written by this call
+    seconds: float = 0.0  # wall time of the call, model load included
+    generate_seconds: float = 0.0  # time inside engine.generate
+    cursor: int = 0  # stream position at the end
+    total_samples: int = 0  # rows this worker has published in all its runs
+    policy_version: int = 0
+    skipped_prompts: int = 0  # over-long prompts skipped with truncate_prompts
+
+
+# ---------------------------------------------------------------- rows waiting to be published
+class ShardBuffer:
+    """Rows of whole prompts, accumulated batch by batch until the next flush."""
+
+    def __init__(self, student_topk: int):
+        self.student_topk = student_topk
+        self.clear()
+
+    def clear(self) -> None:
+        self.columns: dict[str, list] = {
+            name: []
+            for name in (
+                "prompt_index",
+                "sample_index",
+                "prompt_ids",
+                "response_ids",
+                "behavior_logprobs",
+                "finish_reason",
+                "data_source",
+                "ground_truth",
+                "extra",
+                "student_topk_ids",
+            )
+        }
+        self.tokens = 0
+        self.started = time.monotonic()
+
+    def __len__(self) -> int:
+        return len(self.columns["prompt_index"])
+
+    def add(self, prompts: PromptSet, positions: np.ndarray, responses: list, n: int) -> None:
+        c = self.columns
+        for row, response in enumerate(responses):
+            p = int(positions[row // n])
+            c["prompt_index"].append(prompts.row_index[p])
+            c["sample_index"].append(row % n)
+            c["prompt_ids"].append(prompts.prompt_ids[p])
+            c["response_ids"].append(response.token_ids)
+            c["behavior_logprobs"].append(response.logprobs)
+            c["finish_reason"].append(response.finish_reason)
+            c["data_source"].append(prompts.data_source[p])
+            c["ground_truth"].append(prompts.ground_truth[p])
+            c["extra"].append(prompts.extra[p])
+            if self.student_topk:
+                c["student_topk_ids"].append(response.topk_ids)
+            self.tokens += len(response.token_ids)
+
+    def table(self, shard_id: str, policy_version: int) -> pa.Table:
+        c = self.columns
+        return rollout_table(
+            sample_ids=[f"{shard_id}-{row}" for row in range(len(self))],
+            prompt_index=c["prompt_index"],
+            sample_index=c["sample_index"],
+            prompt_ids=c["prompt_ids"],
+            response_ids=c["response_ids"],
+            behavior_logprobs=c["behavior_logprobs"],
+            policy_version=policy_version,
+            finish_reason=c["finish_reason"],
+            data_source=c["data_source"],
+            ground_truth=c["ground_truth"],
+            extra=c["extra"],
+            student_topk_ids=c["student_topk_ids"] if self.student_topk else None,
+            student_topk=self.student_topk,
+        )
+
+
+# ---------------------------------------------------------------- engines and policies
+def make_engine(cfg: RolloutConfig, model_path: str, tokenizer):
+    """The generation engine named by `cfg.engine`, loaded from `model_path`."""
+    if cfg.engine == "vllm":
+        from opd_cache.rollout.vllm_generate import VLLMGenerator
+
+        # cfg.dtype by name: vLLM's "auto" would load float32 weights in bfloat16 on its CPU back-end
+        return VLLMGenerator(
+            model_path,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            dtype=cfg.dtype,
+            seed=cfg.seed,
+            max_logprobs=max(20, cfg.student_topk),
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    from opd_cache.rollout.hf_generate import HFGenerator
+
+    engine = HFGenerator(
+        model_path,
+        tokenizer=tokenizer,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        attn_implementation=cfg.attn_implementation,
+        eos_token_ids=_eos_ids(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        vocab_limit=len(tokenizer),
+        seed=cfg.seed,
+        trust_remote_code=cfg.trust_remote_code,
+    )
+    output_layer = engine.model.get_output_embeddings()
+    model_vocab = output_layer.weight.shape[0] if output_layer is not None else engine.model.config.vocab_size
+    if model_vocab < len(tokenizer):
+        raise ValueError(
+            f"student {model_path}: the model's output layer has {model_vocab} rows but the tokenizer "
+            f"has {len(tokenizer)} tokens"
+        )
+    return engine
+
+
+def _eos_ids(tokenizer) -> list[int]:
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path}: no eos_token, so responses could never stop")
+    return [tokenizer.eos_token_id]
+
+
+# ---------------------------------------------------------------- the worker loop
+class RolloutWorker:
+    """One rollout worker: `run()` samples and publishes until its stop condition (module docstring, steps 1-5).
+
+    Every piece of loop state is an attribute, so `flush`, `finished` and the pacing checks read the same
+    numbers the loop advances.
+    """
+
+    def __init__(
+        self, cfg: RolloutConfig, store: Store, *, stop: threading.Event | None = None, show_progress: bool = False
+    ):
+        self.cfg, self.store = cfg, store
+        self.stop = stop or threading.Event()
+        self.show_progress = show_progress
+        self.worker = validate_worker_id(cfg.worker_id)
+        if cfg.prompts is None:
+            raise ValueError("--prompts is required (a parquet, JSONL or datasets file of prompts)")
+
+    # ------------------------------------------------------------ phases 1-3: inputs, policy, resume
+    def _setup(self) -> None:
+        cfg, store = self.cfg, self.store
+        # 1. Inputs first: a bad prompt file or tokenizer fails before anything is written.
+        run = store.read_run() or {}
+        student = cfg.student or run.get("student")
+        if student is None:
+            raise ValueError("--student is required: this store has no run.json naming the student")
+        student = student_id(student)
+        self.tokenizer = load_tokenizer(student, trust_remote_code=cfg.trust_remote_code, padding_side="left")
+        self.prompts = load_prompts(
+            cfg.prompts, self.tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, truncate=cfg.truncate_prompts
+        )
+        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
+        self.student_topk = cfg.student_topk or int(run.get("student_topk", 0))
+        if self.student_topk > len(self.tokenizer):
+            raise ValueError(
+                f"student_topk {self.student_topk} is larger than the vocabulary ({len(self.tokenizer)} tokens)"
+            )
+        run_fields = dict(
+            student=student,
+            tokenizer_fingerprint=self.fingerprint,
+            vocab_size=len(self.tokenizer),
+            student_topk=self.student_topk or None,
+        )
+        store.check_run(run, **run_fields)  # fail before loading a model; ensure_run checks again
+
+        # 2. The newest policy; run.json is written only once the model has loaded.
+        self.policies = PolicyFiles(store, student)
+        self.version, path = self.policies.newest_intact(store.latest_version())
+        self.engine = make_engine(cfg, path, self.tokenizer)
+        self.policies.release(self.version)
+        self.run_manifest = store.ensure_run(**run_fields)
+
+        # 3. Resume from this worker's last shard.
+        resume = resume_point(store, self.worker, self.run_manifest, cfg.seed, len(self.prompts))
+        self.cursor, self.total_samples, self.seq = resume.cursor, resume.samples, resume.next_seq
+        self.stream = PromptStream(len(self.prompts), cfg.seed, self.worker)
+        self.prompt_limit = None  # stream position to stop at
+        if cfg.max_samples is None and cfg.max_shards is None and not cfg.follow:
+            self.prompt_limit = len(self.prompts)  # one pass over the prompts
+
+        self.metrics = MetricsLog(store, "rollout", self.worker)
+        for shard_id in resume.quarantined:  # its prompts are sampled again from `cursor` on
+            self.metrics.log(
+                {
+                    "event": "shard_quarantined",
+                    "shard": shard_id,
+                    "resumed_from": resume.last_shard,
+                    "cursor": self.cursor,
+                },
+                flush=True,
+            )
+        self.backlog_gauge = BacklogGauge(store)
+        self.buffer = ShardBuffer(self.student_topk)
+        self.result = RolloutResult(
+            cursor=self.cursor,
+            total_samples=self.total_samples,
+            policy_version=self.version,
+            skipped_prompts=self.prompts.num_skipped_too_long,
+        )
+        self.display = ProgressDisplay(
+            self.show_progress, cfg.max_samples, self.total_samples, label=f"rollout {self.worker}"
+        )
+        self.backlog = 0
+        self.prompts_per_shard = math.ceil(cfg.flush_rows / cfg.n)
+
+    # ------------------------------------------------------------ the loop's steps
+    def flush(self) -> None:
+        """Publish the buffered rows as one shard (a shard holds one policy version)."""
+        buffer, result = self.buffer, self.result
+        if not len(buffer):
+            return
+        shard_id = make_shard_id(self.version, self.worker, self.seq)
+        rows = len(buffer)
+        meta = RolloutShardMeta(
+            kind=ROLLOUT,
+            run_id=self.run_manifest["run_id"],
+            tokenizer_fingerprint=self.fingerprint,
+            shard_id=shard_id,
+            policy_version=self.version,
+            student_topk=self.student_topk,
+            cursor=self.cursor,
+            samples=self.total_samples,
+            seed=self.cfg.seed,
+            num_prompts=len(self.prompts),
+            **engine_fields(self.engine),
+        )
+        write_shard(self.store, self.store.rollout_path(shard_id), buffer.table(shard_id, self.version), meta)
+        self.backlog_gauge.rows[shard_id] = rows
+        self.metrics.log(
+            {
+                "shard": shard_id,
+                "rows": rows,
+                "tokens": buffer.tokens,
+                "policy_version": self.version,
+                "cursor": self.cursor,
+                "total_samples": self.total_samples,
+                "backlog": self.backlog,
+                "tokens_per_s": result.tokens / result.generate_seconds if result.generate_seconds else 0.0,
+                "finish_length_frac": buffer.columns["finish_reason"].count("length") / rows,
+            }
+        )
+        result.shards.append(shard_id)
+        self.seq += 1
+        buffer.clear()
+
+    def finished(self) -> bool:
+        cfg = self.cfg
+        if self.stop.is_set() or (cfg.follow and self.store.is_done()):
+            return True
+        if cfg.max_samples is not None and self.total_samples >= cfg.max_samples:
+            return True
+        if cfg.max_shards is not None and self.seq >= cfg.max_shards:
+            return True
+        return self.prompt_limit is not None and self.cursor >= self.prompt_limit
+
+    def must_wait(self) -> bool:
+        """Too far ahead of the trainer: backlog over the buffer, policy too stale, or demand covered."""
+        self.backlog = self.backlog_gauge.backlog()
+        too_stale = self.version < self.store.latest_version() - self.cfg.max_staleness
+        return self.backlog > self.cfg.max_buffer_samples or too_stale or self.demand_covered()
+
+    def demand_covered(self) -> bool:
+        """The published rows and this worker's buffer cover all the trainer's remaining steps still need."""
+        demand = self.backlog_gauge.demand
+        return demand is not None and demand - len(self.buffer) <= 0
+
+    def maybe_reload(self) -> bool:
+        """Load a newer published policy, publishing what the old one sampled first; True when one loaded."""
+        latest = self.store.latest_version()
+        if latest <= self.version or not self.policies.worth_trying(latest):
+            return False
+        try:
+            path = self.policies.path(latest)
+        except CorruptPolicyError as e:  # keep sampling with the current version until one loads
+            print(f"warning: {e}; keeping policy version {self.version}", file=sys.stderr)
+            self.metrics.log({"event": "policy_refused", "policy_version": latest, "reason": str(e)}, flush=True)
+            return True  # look again at once: the flush below is not due, the limits did not move
+        self.flush()
+        check_policy_tokenizer(path, self.fingerprint, latest)
+        self.engine.load_policy(path)
+        self.policies.release(latest)
+        self.version = self.result.policy_version = latest
+        self.metrics.log({"event": "reload", "policy_version": self.version}, flush=True)
+        return True
+
+    def sample_batch(self) -> None:
+        """Sample the next batch: whole prompts, no more than the shard, the limits and the demand still need."""
+        cfg, buffer, result = self.cfg, self.buffer, self.result
+        count = min(cfg.batch_prompts, self.prompts_per_shard - len(buffer) // cfg.n)
+        if cfg.max_samples is not None:
+            count = min(count, math.ceil((cfg.max_samples - self.total_samples) / cfg.n))
+        if self.prompt_limit is not None:
+            count = min(count, self.prompt_limit - self.cursor)
+        if self.backlog_gauge.demand is not None:  # no more prompts than the trainer's remaining demand
+            count = min(count, math.ceil((self.backlog_gauge.demand - len(buffer)) / cfg.n))
+        positions = self.stream.take(self.cursor, count)
+        tic = time.monotonic()
+        if not len(buffer):
+            buffer.started = tic  # flush_seconds counts from when the shard's first batch started
+        responses = self.engine.generate(
+            [self.prompts.prompt_ids[p] for p in positions],
+            cfg.n,
+            cfg.sampling,
+            student_topk=self.student_topk,
+            seed=batch_seed(cfg.seed, self.worker, self.cursor),
+        )
+        result.generate_seconds += time.monotonic() - tic
+        buffer.add(self.prompts, positions, responses, cfg.n)
+        self.cursor += count
+        self.total_samples += len(responses)
+        result.samples += len(responses)
+        result.tokens += sum(len(r.token_ids) for r in responses)
+        self.display.update(completed=self.total_samples, tps=result.tokens / max(result.generate_seconds, 1e-9))
+
+    # ------------------------------------------------------------ phase 4-5: the loop
+    def run(self) -> RolloutResult:
+        self._setup()
+        started = time.monotonic()
+        cfg, buffer = self.cfg, self.buffer
+        try:
+            while not self.finished():
+                # 4a. A newer policy: publish what the old one sampled, then reload.
+                if self.maybe_reload():
+                    continue  # the flush may have reached a limit
+
+                # 4b. Pace: do not run ahead of the trainer.
+                wait = self.must_wait()
+                self.display.update(
+                    version=self.version, backlog=self.backlog, state="waiting for the trainer" if wait else ""
+                )
+                if wait:
+                    # the buffer completes the trainer's demand: publish it now, no more rows are coming
+                    if len(buffer) and (
+                        self.demand_covered() or time.monotonic() - buffer.started >= cfg.flush_seconds
+                    ):
+                        self.flush()
+                    self.stop.wait(cfg.poll_seconds)
+                    continue
+
+                # 4c. Sample; 4d. publish a shard when it is full or old enough.
+                self.sample_batch()
+                if len(buffer) >= cfg.flush_rows or time.monotonic() - buffer.started >= cfg.flush_seconds:
+                    self.flush()
+            self.flush()  # 5. whatever is left (SIGINT/SIGTERM, DONE, limits)
+        finally:
+            self.display.close()
+            self.metrics.flush()
+            self.policies.close()
+        self.result.cursor, self.result.total_samples = self.cursor, self.total_samples
+        self.result.seconds = time.monotonic() - started
+        return self.result
+
+
+def run_rollout(
+    cfg: RolloutConfig, store: Store, *, stop: threading.Event | None = None, show_progress: bool = False
+) -> RolloutResult:
+    """Run one rollout worker until its stop condition; returns what this call published."""
+    return RolloutWorker(cfg, store, stop=stop, show_progress=show_progress).run()

@@ -286,3 +286,24 @@ def test_losses_from_packed_match_float32_on_a_smollm2_vocabulary_llama():
     assert teacher_lp.exp().max(-1).values.median() > 0.3
     top = torch.topk(teacher_lp, 64)
     assert_losses_match(student_logits, top.indices.int().numpy(), top.values.numpy())
+
+
+def test_parts_written_before_the_range_grid_still_decode_within_their_bound(monkeypatch):
+    """Ranges off the lookup grid (parts from before it, rows spanning > MAX_GRID_GAP) take the exact path."""
+    lp = sorted_logprobs(np.random.default_rng(5), 200, 400, 32, 3.0)
+    grid_codes, grid_mass, grid_range = codec.quantize_logprobs(lp)
+    monkeypatch.setattr(codec, "_row_ranges", lambda max_gaps: np.log1p(max_gaps / codec.GAP_SCALE))
+    codes, log_mass, log_range = codec.quantize_logprobs(lp)  # as the first packed codec wrote them
+    bound = codec.logprob_bound(lp)
+    monkeypatch.undo()
+    assert not np.array_equal(log_range, grid_range)  # really off the grid
+    decoded = codec.dequantize_logprobs(codes, log_mass, log_range)
+    assert (np.abs(decoded - lp) <= bound + 1e-6).all()
+    # mixed: half the rows on the grid, half off, decode each by its own path
+    mixed = codec.dequantize_logprobs(
+        np.concatenate([grid_codes[:100], codes[100:]]),
+        np.concatenate([grid_mass[:100], log_mass[100:]]),
+        np.concatenate([grid_range[:100], log_range[100:]]),
+    )
+    np.testing.assert_array_equal(mixed[100:], decoded[100:])
+    np.testing.assert_array_equal(mixed[:100], codec.dequantize_logprobs(grid_codes, grid_mass, grid_range)[:100])

@@ -1,4 +1,4 @@
-"""Write docs/configuration.md from the typed config (opd_cache/config.py): every key, type and default.
+"""Write docs/configuration.md from the typed config (opd_cache/config.py): every key, type, default and description.
 
 python scripts/config_reference.py          # rewrite the page
 python scripts/config_reference.py --check  # exit 1 if the page is out of date (the test suite runs this)
@@ -6,8 +6,6 @@ python scripts/config_reference.py --check  # exit 1 if the page is out of date 
 
 from __future__ import annotations
 
-import inspect
-import re
 import sys
 from pathlib import Path
 
@@ -35,21 +33,6 @@ def _type_name(annotation) -> str:
 SYMBOLS = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
 
 
-def field_comments(model: type[BaseModel]) -> dict[str, str]:
-    """The `# comment` written after (or on the line above) each field in config.py: the field's documentation."""
-    comments, pending = {}, []
-    for line in inspect.getsource(model).splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            pending.append(stripped.lstrip("# "))
-            continue
-        m = re.match(r"\s+(\w+):[^#]*(?:#\s*(.*))?$", line)
-        if m:
-            comments[m[1]] = " ".join(pending + ([m[2]] if m[2] else []))
-        pending = []
-    return comments
-
-
 def constraint_text(metadata) -> str:
     parts = []
     for item in metadata:
@@ -61,7 +44,6 @@ def constraint_text(metadata) -> str:
 
 def section_rows(model: type[BaseModel], prefix: str) -> list[str]:
     rows = []
-    comments = field_comments(model)
     for name, field in model.model_fields.items():
         key = f"{prefix}.{name}"
         annotation = field.annotation
@@ -73,7 +55,7 @@ def section_rows(model: type[BaseModel], prefix: str) -> list[str]:
         type_text = _type_name(annotation).replace("|", "\\|")
         rows.append(
             f"| `{key}` | `{type_text}` | {default_text} | {constraint_text(field.metadata)} | "
-            f"{comments.get(name, '').replace('|', '/')} |"
+            f"{(field.description or '').replace('|', '/')} |"
         )
     return rows
 

@@ -22,6 +22,15 @@ Generated from `opd_cache/config.py` by `python scripts/config_reference.py`; do
 Every stage reads one YAML file (`--config FILE`) with the sections below, then its own flags, then
 `--set section.key=value` overrides (highest priority). Unknown keys and wrong types are refused with a
 message naming the key, the value and what was expected. Example: `examples/arithmetic_cpu/config.yaml`.
+
+Every key is also a flag of the commands that read its section, with the meaning below as its help:
+a key of the command's own section is spelled without the section, dots and underscores as dashes
+(`rollout.flush_rows` is `opd rollout --flush-rows`, `rollout.sampling.top_p` is `--sampling-top-p`), a key
+of another section keeps it (`store.s3_endpoint` is `--store-s3-endpoint`, `train.lr` is `opd run --train-lr`).
+Booleans take `--key/--no-key`; lists, tuples and mappings take a YAML value as `--set` does
+(`--betas "[0.9, 0.95]"`). A few short flags are kept as aliases (`--store` for `store.uri`, `--temperature`,
+`--top-p`, `--max-new-tokens` for `opd rollout`'s sampling keys, `--sample` for `opd eval --no-greedy`).
+`opd <command> --print-config` prints the resolved configuration (defaults, file, flags, `--set`) and exits.
 """
 
 

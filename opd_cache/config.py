@@ -30,80 +30,103 @@ class Section(BaseModel):
 class StoreConfig(Section):
     """Where the stages meet: a directory or an object-store prefix."""
 
-    uri: str = "store"  # a directory, file://…, s3://bucket/prefix, gs://…
-    s3_endpoint: str | None = None  # e.g. http://127.0.0.1:9000 for MinIO / moto
+    uri: str = Field("store", description="where the stages meet: a directory, file://…, s3://bucket/prefix, gs://…")
+    s3_endpoint: str | None = Field(None, description="e.g. http://127.0.0.1:9000 for MinIO / moto")
 
 
 class SamplingConfig(Section):
     """How the student samples during rollout."""
 
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)  # 0 = no top-k filtering
-    max_new_tokens: int = Field(256, ge=1)
-    stop: list[str] = []
+    temperature: float = Field(1.0, gt=0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    top_k: int = Field(0, ge=0, description="0 = no top-k filtering")
+    max_new_tokens: int = Field(256, ge=1, description="response length limit, in tokens")
+    stop: list[str] = Field([], description="stop strings: a response ends at the first one")
 
 
 class RolloutConfig(Section):
     """`opd rollout`: the student samples responses and publishes rollout shards."""
 
-    student: str | None = None  # version 0; defaults to run.json's student
-    prompts: str | None = None
-    n: int = Field(4, ge=1)  # samples per prompt
+    student: str | None = Field(
+        None, description="student model folder or hub id (policy version 0); defaults to run.json's student"
+    )
+    prompts: str | None = Field(None, description="prompt file: parquet, JSONL or a datasets folder")
+    n: int = Field(4, ge=1, description="samples per prompt")
     sampling: SamplingConfig = SamplingConfig()
-    max_prompt_tokens: int = Field(1024, ge=1)
-    truncate_prompts: bool = False  # skip (and count) over-long prompts instead of failing
-    batch_prompts: int = Field(16, ge=1)  # prompts per generate() call
-    flush_rows: int = Field(256, ge=1)
-    flush_seconds: float = Field(60.0, gt=0)
-    max_samples: int | None = Field(None, ge=1)
-    max_shards: int | None = Field(None, ge=1)
-    worker_id: str = "w00"
-    engine: Literal["hf", "vllm"] = "hf"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "auto"
-    attn_implementation: str = "sdpa"
-    tensor_parallel_size: int = Field(1, ge=1)
-    student_topk: int = Field(0, ge=0)  # record the student's top-k ids per position (union support)
-    seed: int = 0
-    follow: bool = False  # keep running until the trainer's DONE marker
-    max_buffer_samples: int = Field(4096, ge=1)  # pause while the unconsumed backlog is larger
-    max_staleness: int = Field(2, ge=0)  # pause while the loaded policy is further behind LATEST
-    poll_seconds: float = Field(1.0, gt=0)  # wait between store checks (new policy, backlog); each is a LIST on S3
-    trust_remote_code: bool = False
+    max_prompt_tokens: int = Field(1024, ge=1, description="prompt length limit, in tokens")
+    truncate_prompts: bool = Field(False, description="skip (and count) over-long prompts instead of failing")
+    batch_prompts: int = Field(16, ge=1, description="prompts per generate() call")
+    flush_rows: int = Field(256, ge=1, description="publish a shard every N rows")
+    flush_seconds: float = Field(60.0, gt=0, description="...or every S seconds")
+    max_samples: int | None = Field(None, ge=1, description="stop when this worker has N rows in all")
+    max_shards: int | None = Field(None, ge=1, description="stop when this worker has N shards in all")
+    worker_id: str = Field("w00", description="worker name in shard ids")
+    engine: Literal["hf", "vllm"] = Field("hf", description="sampling engine (hf runs on CPU or GPU)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the student's weights")
+    device: str = Field("auto", description="auto: cuda if available, else cpu")
+    attn_implementation: str = Field(
+        "sdpa", description="attention kernel of the hf engine (transformers' attn_implementation)"
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vllm engine")
+    student_topk: int = Field(0, ge=0, description="record the student's top-k ids per position (union support)")
+    seed: int = Field(0, description="seed of the prompt order and of sampling")
+    follow: bool = Field(False, description="keep running until the trainer's DONE marker")
+    max_buffer_samples: int = Field(4096, ge=1, description="pause while the unconsumed backlog is larger")
+    max_staleness: int = Field(2, ge=0, description="pause while the loaded policy is further behind LATEST")
+    poll_seconds: float = Field(
+        1.0, gt=0, description="wait between store checks (new policy, backlog); each is a LIST on S3"
+    )
+    trust_remote_code: bool = Field(False, description="let transformers run the model repository's own code")
 
 
 class AnnotateConfig(Section):
     """`opd annotate`: the teacher scores rollout shards (top-k log-probs per token)."""
 
-    teacher: str | None = None
-    teacher_name: str = "teacher"
-    top_k: int = Field(32, ge=1)
-    dtype: Literal["float16", "float32"] = "float32"  # storage dtype of the top-k log-probs
-    model_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_tokens_per_batch: int = Field(16384, ge=1)
-    max_shards: int | None = Field(None, ge=1)
-    worker_index: int = Field(0, ge=0)
-    num_workers: int = Field(1, ge=1)
-    engine: Literal["hf", "vllm"] = "hf"
-    device: str = "auto"
-    attn_implementation: str = "sdpa"
-    tensor_parallel_size: int = Field(1, ge=1)
-    padding_side: Literal["right", "left"] = "right"  # hf engine; both give the same log-probs
-    head_chunk_tokens: int | None = Field(None, ge=1)  # positions per output-layer chunk (None: 256 MiB of logits)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # vllm engine
-    compression: Literal["none", "zstd", "lz4"] = "none"
-    # "packed": ids bit-packed at ceil(log2 V) bits, log-probs as 8-bit codes, tail mass exact (docs/annotate.md)
-    codec: Literal["none", "packed"] = "none"
-    routing_key: str = "data_source"
-    # multi-teacher routing: routing-key value -> teacher name. Without routing one teacher annotates
-    # every row; with routing a row whose key is not listed goes to `default_teacher` (None: no teacher).
-    routing: dict[str, str] = {}
-    default_teacher: str | None = None
-    follow: bool = False
-    max_staleness: int | None = Field(None, ge=0)  # skip shards the trainer can no longer use
-    poll_seconds: float = Field(1.0, gt=0)  # wait between listings of new rollout shards; each is a LIST on S3
-    trust_remote_code: bool = False
+    teacher: str | None = Field(None, description="teacher checkpoint folder or hub id")
+    teacher_name: str = Field("teacher", description="name of its parts: `annotated/<shard>/<NAME>.arrow`")
+    top_k: int = Field(32, ge=1, description="teacher log-probs kept per response token")
+    dtype: Literal["float16", "float32"] = Field("float32", description="storage dtype of the top-k log-probs")
+    model_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype of the teacher's weights"
+    )
+    max_tokens_per_batch: int = Field(16384, ge=1, description="padded tokens per forward pass (hf engine)")
+    max_shards: int | None = Field(None, ge=1, description="stop after annotating this many shards")
+    worker_index: int = Field(0, ge=0, description="this worker's index i in 0..n-1")
+    num_workers: int = Field(1, ge=1, description="workers n sharing the shards (stable hash of the shard id)")
+    engine: Literal["hf", "vllm"] = Field("hf", description="scoring engine")
+    device: str = Field("auto", description="auto: cuda if available, else cpu")
+    attn_implementation: str = Field(
+        "sdpa", description="attention kernel of the hf engine (transformers' attn_implementation)"
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vllm engine")
+    padding_side: Literal["right", "left"] = Field("right", description="hf engine; both give the same log-probs")
+    head_chunk_tokens: int | None = Field(
+        None, ge=1, description="positions per output-layer chunk (None: 256 MiB of logits)"
+    )
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vllm engine")
+    compression: Literal["none", "zstd", "lz4"] = Field(
+        "none", description="Arrow IPC compression of the annotated parts"
+    )
+    codec: Literal["none", "packed"] = Field(
+        "none",
+        description='"packed": ids bit-packed at ceil(log2 V) bits, log-probs as 8-bit codes, tail mass exact (docs/annotate.md)',
+    )
+    routing_key: str = Field(
+        "data_source", description="the rollout column whose value picks the teacher of a row (see routing)"
+    )
+    routing: dict[str, str] = Field(
+        {},
+        description="multi-teacher routing: routing-key value -> teacher name. Without routing one teacher annotates every row; with routing a row whose key is not listed goes to `default_teacher` (None: no teacher).",
+    )
+    default_teacher: str | None = Field(
+        None, description="teacher of the rows whose routing-key value is not in routing"
+    )
+    follow: bool = Field(False, description="keep annotating new shards until the trainer's train/DONE marker")
+    max_staleness: int | None = Field(None, ge=0, description="skip shards the trainer can no longer use")
+    poll_seconds: float = Field(
+        1.0, gt=0, description="wait between listings of new rollout shards; each is a LIST on S3"
+    )
+    trust_remote_code: bool = Field(False, description="let transformers run the model repository's own code")
 
     @model_validator(mode="after")
     def _worker_in_range(self):
@@ -115,52 +138,69 @@ class AnnotateConfig(Section):
 class TrainConfig(Section):
     """`opd train`: the FSDP2 student trainer (losses: docs/losses.md)."""
 
-    student: str | None = None
-    loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd | k2 | k3 | abs | pg (policy-gradient OPD)
+    student: str | None = Field(None, description="student model (version 0); defaults to run.json's student")
+    loss: str = Field(
+        "forward_kl", description="forward_kl | reverse_kl | jsd | k2 | k3 | abs | pg (policy-gradient OPD)"
+    )
     tail: Literal["bucket", "renorm", "none"] = "bucket"
     support: Literal["teacher", "union"] = "teacher"
-    beta: float = Field(0.5, ge=0, le=1)
+    beta: float = Field(0.5, ge=0, le=1, description="JSD mixture weight (0 = forward KL, 1 = reverse KL)")
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    max_steps: int = Field(100, ge=1)
-    max_staleness: int = Field(2, ge=0)
-    publish_every: int = Field(1, ge=1)
-    save_every: int = Field(10, ge=1)
-    global_batch_samples: int | None = Field(64, ge=1)
-    global_batch_tokens: int | None = Field(None, ge=1)
-    micro_batch_tokens: int = Field(8192, ge=1)
-    lr: float = Field(1e-5, gt=0)
-    min_lr: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["constant", "cosine"] = "constant"
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = Field(1.0, gt=0)
-    chunk_size: int = Field(1024, ge=1)  # tokens per chunk of the fused loss
-    # policy-gradient OPD and off-policy correction
-    clip_low: float = Field(0.2, ge=0)
+    max_steps: int = Field(100, ge=1, description="optimizer steps to train in total")
+    max_staleness: int = Field(2, ge=0, description="versions a row may lag behind the student (0 = synchronous)")
+    publish_every: int = Field(1, ge=1, description="publish a policy version every N steps")
+    save_every: int = Field(10, ge=1, description="write a resume state every N steps")
+    global_batch_samples: int | None = Field(64, ge=1, description="rows per optimizer step")
+    global_batch_tokens: int | None = Field(
+        None, ge=1, description="prompt+response tokens per optimizer step (instead of global_batch_samples)"
+    )
+    micro_batch_tokens: int = Field(8192, ge=1, description="padded tokens per micro-batch and rank")
+    lr: float = Field(1e-5, gt=0, description="peak learning rate")
+    min_lr: float = Field(0.0, ge=0, description="learning rate at the end of the cosine schedule")
+    warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up to lr")
+    schedule: Literal["constant", "cosine"] = Field("constant", description="learning rate after the warm-up")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    grad_clip: float = Field(1.0, gt=0, description="largest gradient norm")
+    chunk_size: int = Field(1024, ge=1, description="tokens per chunk of the fused loss")
+    clip_low: float = Field(
+        0.2, ge=0, description="policy-gradient OPD: the ratio is clipped to [1 - clip_low, 1 + clip_high]"
+    )
     clip_high: float = Field(0.28, ge=0)
-    importance_cap: float | None = Field(None, gt=0)  # truncated IS weight min(exp(s - s_behavior), c)
-    task_reward_weight: float = Field(0.0, ge=0)  # 0 = pure distillation; >0 adds GRPO task loss
-    distill_weight: float = Field(1.0, ge=0)  # λ in total = task loss + λ·distillation
-    activation_checkpointing: bool = False
-    mixed_precision: Literal["auto", "off", "bf16"] = "auto"
-    device: str = "auto"
-    seed: int = 0
-    follow: bool = False
-    # wait between listings of new annotated parts; on a local store 0.1 is cheap
-    poll_seconds: float = Field(1.0, gt=0)
-    # experiment trackers that receive every train metric, and the evaluator's (docs/train.md, "Experiment tracking")
-    report_to: list[Literal["tensorboard", "wandb"]] = []
-    tensorboard: bool = False  # deprecated: the same as report_to [tensorboard]
-    trust_remote_code: bool = False
-    # --follow stops (and writes train/DONE) after this many seconds without admissible data; None = wait forever
-    idle_timeout: float | None = Field(None, gt=0)
-    keep_states: int = Field(2, ge=1)  # resume states kept in train/state/
-    prefetch_batches: int = Field(2, ge=1)  # decoded steps queued ahead of the trainer
+    importance_cap: float | None = Field(None, gt=0, description="truncated IS weight min(exp(s - s_behavior), c)")
+    task_reward_weight: float = Field(0.0, ge=0, description="0 = pure distillation; >0 adds GRPO task loss")
+    distill_weight: float = Field(1.0, ge=0, description="λ in total = task loss + λ·distillation")
+    activation_checkpointing: bool = Field(
+        False, description="recompute activations in the backward pass (less memory)"
+    )
+    mixed_precision: Literal["auto", "off", "bf16"] = Field(
+        "auto", description="auto: bf16 on a GPU that supports it, else off"
+    )
+    device: str = Field("auto", description="auto: cuda if available, else cpu")
+    seed: int = Field(0, description="torch seed of the trainer")
+    follow: bool = Field(False, description="wait for new shards until max_steps (else train what is there)")
+    poll_seconds: float = Field(
+        1.0, gt=0, description="wait between listings of new annotated parts; on a local store 0.1 is cheap"
+    )
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(
+        [],
+        description='experiment trackers that receive every train metric, and the evaluator\'s (docs/train.md, "Experiment tracking")',
+    )
+    tensorboard: bool = Field(False, description="deprecated: the same as report_to [tensorboard]")
+    trust_remote_code: bool = Field(False, description="let transformers run the model repository's own code")
+    idle_timeout: float | None = Field(
+        None,
+        gt=0,
+        description="--follow stops (and writes train/DONE) after this many seconds without admissible data; None = wait forever",
+    )
+    keep_states: int = Field(2, ge=1, description="resume states kept in train/state/")
+    prefetch_batches: int = Field(2, ge=1, description="decoded steps queued ahead of the trainer")
 
     @model_validator(mode="after")
     def _one_batch_unit(self):
-        if self.global_batch_tokens is not None and "global_batch_samples" in self.model_fields_set:
+        # a null global_batch_samples is no batch unit (a dumped config holds one: it must load again)
+        samples_given = "global_batch_samples" in self.model_fields_set and self.global_batch_samples is not None
+        if self.global_batch_tokens is not None and samples_given:
             raise ValueError("set only one of global_batch_samples and global_batch_tokens")
         if self.global_batch_tokens is not None:
             object.__setattr__(self, "global_batch_samples", None)
@@ -184,26 +224,28 @@ class TrainConfig(Section):
 class EvalConfig(Section):
     """`opd eval` and the evaluator process of `opd run`."""
 
-    prompts: str | None = None
-    teacher: str | None = None
-    max_prompts: int = Field(200, ge=1)
-    n: int = Field(1, ge=1)
-    greedy: bool = True
-    max_new_tokens: int = Field(32, ge=1)
+    prompts: str | None = Field(None, description="prompt file (parquet/JSONL/datasets folder)")
+    teacher: str | None = Field(None, description="teacher checkpoint: also report KL(teacher ‖ student)")
+    max_prompts: int = Field(200, ge=1, description="evaluate the first N prompts")
+    n: int = Field(1, ge=1, description="samples per prompt (mean@n); n > 1 needs greedy false")
+    greedy: bool = Field(True, description="greedy decoding, else sampling")
+    max_new_tokens: int = Field(32, ge=1, description="response length limit, in tokens")
 
 
 class RunConfig(Section):
     """`opd run`: the three stages as processes on one store."""
 
-    rollout_workers: int = Field(1, ge=1)
-    annotate_workers: int = Field(1, ge=1)  # per teacher
-    teachers: dict[str, str] = {}  # name -> checkpoint; empty = annotate.teacher_name -> annotate.teacher
-    max_restarts: int = Field(3, ge=0)  # per stage, before the run fails
-    sync: bool = False  # lockstep generate -> annotate -> train (max_staleness 0)
-    evaluate: bool = True  # run an evaluator process on eval.prompts
-    eval_every: int = Field(1, ge=1)  # evaluate every N-th published version (and the last)
-    threads_per_stage: int = Field(1, ge=1)  # OMP threads of each stage process
-    drain_seconds: float = Field(60.0, ge=0)  # after training: time for the evaluator to finish
+    rollout_workers: int = Field(1, ge=1, description="rollout processes")
+    annotate_workers: int = Field(1, ge=1, description="per teacher")
+    teachers: dict[str, str] = Field(
+        {}, description="name -> checkpoint; empty = annotate.teacher_name -> annotate.teacher"
+    )
+    max_restarts: int = Field(3, ge=0, description="per stage, before the run fails")
+    sync: bool = Field(False, description="lockstep generate -> annotate -> train (max_staleness 0)")
+    evaluate: bool = Field(True, description="run an evaluator process on eval.prompts")
+    eval_every: int = Field(1, ge=1, description="evaluate every N-th published version (and the last)")
+    threads_per_stage: int = Field(1, ge=1, description="OMP threads of each stage process")
+    drain_seconds: float = Field(60.0, ge=0, description="after training: time for the evaluator to finish")
 
 
 class Config(Section):

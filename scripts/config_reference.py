@@ -1,4 +1,4 @@
-"""Write docs/configuration.md from the typed config (opd_cache/config.py): every key, type and default.
+"""Write docs/configuration.md from the typed config (opd_cache/config.py): every key, type, default and description.
 
 python scripts/config_reference.py          # rewrite the page
 python scripts/config_reference.py --check  # exit 1 if the page is out of date (the test suite runs this)
@@ -6,8 +6,6 @@ python scripts/config_reference.py --check  # exit 1 if the page is out of date 
 
 from __future__ import annotations
 
-import inspect
-import re
 import sys
 from pathlib import Path
 
@@ -24,6 +22,15 @@ Generated from `opd_cache/config.py` by `python scripts/config_reference.py`; do
 Every stage reads one YAML file (`--config FILE`) with the sections below, then its own flags, then
 `--set section.key=value` overrides (highest priority). Unknown keys and wrong types are refused with a
 message naming the key, the value and what was expected. Example: `examples/arithmetic_cpu/config.yaml`.
+
+Every key is also a flag of the commands that read its section, with the meaning below as its help:
+a key of the command's own section is spelled without the section, dots and underscores as dashes
+(`rollout.flush_rows` is `opd rollout --flush-rows`, `rollout.sampling.top_p` is `--sampling-top-p`), a key
+of another section keeps it (`store.s3_endpoint` is `--store-s3-endpoint`, `train.lr` is `opd run --train-lr`).
+Booleans take `--key/--no-key`; lists, tuples and mappings take a YAML value as `--set` does
+(`--betas "[0.9, 0.95]"`). A few short flags are kept as aliases (`--store` for `store.uri`, `--temperature`,
+`--top-p`, `--max-new-tokens` for `opd rollout`'s sampling keys, `--sample` for `opd eval --no-greedy`).
+`opd <command> --print-config` prints the resolved configuration (defaults, file, flags, `--set`) and exits.
 """
 
 
@@ -33,21 +40,6 @@ def _type_name(annotation) -> str:
 
 
 SYMBOLS = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
-
-
-def field_comments(model: type[BaseModel]) -> dict[str, str]:
-    """The `# comment` written after (or on the line above) each field in config.py: the field's documentation."""
-    comments, pending = {}, []
-    for line in inspect.getsource(model).splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            pending.append(stripped.lstrip("# "))
-            continue
-        m = re.match(r"\s+(\w+):[^#]*(?:#\s*(.*))?$", line)
-        if m:
-            comments[m[1]] = " ".join(pending + ([m[2]] if m[2] else []))
-        pending = []
-    return comments
 
 
 def constraint_text(metadata) -> str:
@@ -61,7 +53,6 @@ def constraint_text(metadata) -> str:
 
 def section_rows(model: type[BaseModel], prefix: str) -> list[str]:
     rows = []
-    comments = field_comments(model)
     for name, field in model.model_fields.items():
         key = f"{prefix}.{name}"
         annotation = field.annotation
@@ -73,7 +64,7 @@ def section_rows(model: type[BaseModel], prefix: str) -> list[str]:
         type_text = _type_name(annotation).replace("|", "\\|")
         rows.append(
             f"| `{key}` | `{type_text}` | {default_text} | {constraint_text(field.metadata)} | "
-            f"{comments.get(name, '').replace('|', '/')} |"
+            f"{(field.description or '').replace('|', '/')} |"
         )
     return rows
 

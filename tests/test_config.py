@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from opd_cache.config import ConfigError, load_config, parse_set
 
@@ -65,3 +66,13 @@ def test_conflicting_options_and_missing_file(tmp_path):
     bad.write_text("train: [unclosed\n")
     with pytest.raises(ConfigError, match=r"--config .*bad.yaml: not valid YAML"):
         load_config(bad)
+
+
+def test_a_dumped_config_loads_again(tmp_path):
+    # what `opd run` writes for its stages and `--print-config` prints: global_batch_samples is null there
+    cfg = load_config(sets=["train.global_batch_tokens=1024", "rollout.sampling.stop=[x]", "train.betas=[0.8, 0.9]"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    again = load_config(path)
+    assert again == cfg
+    assert again.train.global_batch_samples is None and again.train.global_batch_tokens == 1024

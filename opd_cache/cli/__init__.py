@@ -1,22 +1,23 @@
 """The `opd` command line: a thin Typer layer over the stage modules.
 
-Each command lives in its own module of this package and registers itself on
-`app`; the stage logic lives in `opd_cache/` so it can be used without the CLI.
+Each command lives in its own module of this package and registers itself on `app` when imported; the stage
+logic lives in `opd_cache/` so it can be used without the CLI. The stage commands' flags are generated from
+the typed config (config_flags.py).
 """
 
-from opd_cache.cli import (  # noqa: F401  (register commands)
+from opd_cache.cli import (  # noqa: F401  (importing a command's module registers it)
     annotate,
-    check_engines,  # noqa: F401  (registers `opd check-engines`)
+    check_engines,
     evaluate,
-    export,  # noqa: F401,E402  (registers `opd export`)
+    export,
     inspect,
-    migrate,  # noqa: F401,E402  (registers `opd migrate`)
-    replay,  # noqa: F401,E402  (registers `opd replay`)
+    migrate,
+    replay,
     report,
     rollout,
     run,
     train,
-    verify,  # noqa: F401  (register `opd verify`)
+    verify,
 )
 from opd_cache.cli.common import app
 

@@ -1,18 +1,13 @@
-"""What every command shares: the Typer app, config loading, one-line user errors."""
+"""What every command shares: the Typer app, the consoles, --set, one-line user errors."""
 
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-
-from opd_cache.config import Config, load_config
 
 app = typer.Typer(
     name="opd",
@@ -24,8 +19,7 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
-# Options every stage accepts (declare as `config: ConfigOpt = None, sets: SetOpt = None`).
-ConfigOpt = typer.Option(None, "--config", help="YAML file with store/rollout/annotate/train/... sections.")
+# --set: every stage command (through config_flags.py) and `opd demo`
 SetOpt = typer.Option(None, "--set", help="Override any config key: --set train.lr=3e-4 (repeatable).")
 
 
@@ -49,13 +43,3 @@ def user_errors(fn: Callable) -> Callable:
             raise typer.Exit(130) from None
 
     return wrapper
-
-
-def stage_config(config: Path | None, sets: list[str] | None, **flags: Any) -> Config:
-    """Config from the YAML file, then the stage's flags (dotted keys, None = not given), then --set."""
-    return load_config(config, overrides=flags, sets=sets)
-
-
-def not_implemented(name: str) -> None:
-    err_console.print(f"[bold red]error:[/] `opd {name}` is not implemented yet")
-    sys.exit(2)

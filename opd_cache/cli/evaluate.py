@@ -9,7 +9,8 @@ from pathlib import Path
 
 import typer
 
-from opd_cache.cli.common import ConfigOpt, SetOpt, app, console, stage_config, user_errors
+from opd_cache.cli.common import app, console, user_errors
+from opd_cache.cli.config_flags import ConfigArgs, config_flags
 
 
 def _interrupt(signum, frame):
@@ -18,16 +19,9 @@ def _interrupt(signum, frame):
 
 @app.command("eval")
 @user_errors
+@config_flags("eval", sections=("eval",), own_section="eval")
 def eval_command(
     model: str = typer.Option(..., "--model", help="Checkpoint folder, or a store (evaluates its newest version)."),
-    prompts: str | None = typer.Option(None, "--prompts", help="Prompt file (parquet/JSONL/datasets folder)."),
-    teacher: str | None = typer.Option(
-        None, "--teacher", help="Teacher checkpoint: also report KL(teacher ‖ student)."
-    ),
-    n: int | None = typer.Option(None, "--n", help="Samples per prompt (mean@n); implies --sample."),
-    greedy: bool | None = typer.Option(None, "--greedy/--sample", help="Greedy decoding (default) or sampling."),
-    max_prompts: int | None = typer.Option(None, "--max-prompts", help="Evaluate the first N prompts."),
-    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens"),
     device: str = typer.Option("auto", "--device"),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     follow: bool = typer.Option(
@@ -36,8 +30,8 @@ def eval_command(
         help="With a store: evaluate each published version into metrics/eval-0.jsonl until training is done.",
     ),
     every: int = typer.Option(1, "--every", help="With --follow: every N-th version (and the last)."),
-    config: Path | None = ConfigOpt,
-    sets: list[str] | None = SetOpt,
+    *,
+    args: ConfigArgs,
 ) -> None:
     """Evaluate a student on held-out prompts."""
     from opd_cache.evaluate import _subset, evaluate_model, evaluate_store, load_teacher, resolve_model
@@ -46,20 +40,12 @@ def eval_command(
     from opd_cache.tokenizer import load_tokenizer
     from opd_cache.tracking import Tracker
 
-    if n is not None and n > 1 and greedy:
-        raise ValueError("--n > 1 needs --sample (greedy decoding gives the same answer n times)")
-    full = stage_config(
-        config,
-        sets,
-        **{
-            "eval.prompts": prompts,
-            "eval.teacher": teacher,
-            "eval.n": n,
-            "eval.greedy": greedy if greedy is not None else (False if n and n > 1 else None),
-            "eval.max_prompts": max_prompts,
-            "eval.max_new_tokens": max_new_tokens,
-        },
-    )
+    n, greedy = args.flags.get("eval.n"), args.flags.get("eval.greedy")
+    if n is not None and n > 1:
+        if greedy:
+            raise ValueError("--n > 1 needs --sample (greedy decoding gives the same answer n times)")
+        args.flags["eval.greedy"] = False  # --n 3 alone: sample
+    full = args.resolve()
     cfg = full.eval
     if cfg.prompts is None:
         raise ValueError("--prompts is required (or eval.prompts in --config)")

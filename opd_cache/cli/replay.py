@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
-from opd_cache.cli.common import ConfigOpt, SetOpt, app, console, stage_config, user_errors
+from opd_cache.cli.common import app, console, user_errors
+from opd_cache.cli.config_flags import ConfigArgs, config_flags
 
 
 @app.command("replay")
 @user_errors
+# train.seed: --seed here is the replay's own (the order of shards and rows); --set train.seed=N seeds the trainer
+@config_flags("replay", sections=("store", "train"), own_section="train", exclude=("train.seed",))
 def replay_command(
     sources: list[str] = typer.Option(..., "--from", help="A store whose annotated shards to train on (repeatable)."),
-    store: str | None = typer.Option(None, "--store", help="The replay's own store (new, or a replay to resume)."),
     epochs: int = typer.Option(1, "--epochs", help="Passes over the selected rows."),
     seed: int = typer.Option(0, "--seed", help="Seed of the shard and row order."),
     shuffle: bool = typer.Option(True, "--shuffle/--no-shuffle", help="Shuffle shards and rows per epoch."),
@@ -23,47 +23,27 @@ def replay_command(
     data_source: list[str] | None = typer.Option(
         None, "--data-source", help="Only rows of this data source (repeatable)."
     ),
-    student: str | None = typer.Option(None, "--student", help="Student to train (default: the first source's)."),
-    loss: str | None = typer.Option(None, "--loss", help="forward_kl | reverse_kl | jsd | k2 | k3 | abs"),
-    max_steps: int | None = typer.Option(
-        None, "--max-steps", help="Stop after this many optimizer steps (default: what --epochs need)."
-    ),
-    global_batch_samples: int | None = typer.Option(None, "--global-batch-samples", help="Rows per optimizer step."),
-    lr: float | None = typer.Option(None, "--lr", help="Peak learning rate."),
-    publish_every: int | None = typer.Option(None, "--publish-every", help="Publish a policy version every N steps."),
-    config: Path | None = ConfigOpt,
-    sets: list[str] | None = SetOpt,
+    *,
+    args: ConfigArgs,
 ) -> None:
     """Train on the annotated shards of existing stores, which are only read: no rollout, no teacher.
 
     Off-policy for the new student, so no staleness bound; the run (policy versions, resume states, ledger)
-    is written to --store and resumes from its last state when run again with the same selection.
+    is written to --store and resumes from its last state when run again with the same selection. Without
+    --max-steps (or train.max_steps in --config or --set) it trains as many steps as the epochs need.
     """
+    from opd_cache.config import TrainConfig, load_config
     from opd_cache.models import check_model_path
     from opd_cache.train.replay import ReplaySpec, replay
 
-    if store is None:
+    if "store.uri" not in args.flags:
         raise ValueError("opd replay needs --store DST: the replay's own store")
-    from opd_cache.config import TrainConfig
-
+    cfg = args.resolve()
     # No step limit anywhere (flag, --set, config file): the replay runs every epoch, as many steps as they need.
     steps_from_epochs = (
-        max_steps is None
-        and stage_config(config, sets).train.max_steps == TrainConfig().max_steps
-        and not any(s.startswith("train.max_steps=") for s in sets or [])
-    )
-    cfg = stage_config(
-        config,
-        sets,
-        **{
-            "store.uri": store,
-            "train.student": student,
-            "train.loss": loss,
-            "train.max_steps": max_steps,
-            "train.global_batch_samples": global_batch_samples,
-            "train.lr": lr,
-            "train.publish_every": publish_every,
-        },
+        "train.max_steps" not in args.flags
+        and load_config(args.file).train.max_steps == TrainConfig().max_steps
+        and not any(s.startswith("train.max_steps=") for s in args.sets)
     )
     check_model_path(cfg.train.student, "--student")
     spec = ReplaySpec(

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from opd_cache.cli.common import ConfigOpt, SetOpt, app, stage_config, user_errors
+from opd_cache.cli.common import SetOpt, app, user_errors
+from opd_cache.cli.config_flags import ConfigArgs, config_flags
 
 
 def default_logs_dir(store_uri: str) -> Path:
@@ -15,24 +16,19 @@ def default_logs_dir(store_uri: str) -> Path:
 
 @app.command("run")
 @user_errors
+@config_flags("run", sections=("store", "rollout", "annotate", "train", "eval", "run"), own_section="run")
 def run_command(
-    store: str | None = typer.Option(
-        None, "--store", help="Store directory or URI (default: store.uri of the config)."
-    ),
-    sync: bool = typer.Option(False, "--sync", help="Lockstep generate -> annotate -> train (max_staleness 0)."),
     logs: Path | None = typer.Option(None, "--logs", help="Folder for the stages' logs and the resolved config."),
     quiet: bool = typer.Option(
         False, "--quiet", help="No live dashboard (on a terminal) or progress lines (otherwise: one every ~10 s)."
     ),
-    config: Path | None = ConfigOpt,
-    sets: list[str] | None = SetOpt,
+    *,
+    args: ConfigArgs,
 ) -> None:
     """Start rollout, annotate, train and an evaluator as processes on one store, until training finishes."""
     from opd_cache.run import supervise, sync_overrides, write_resolved_config
 
-    cfg = stage_config(config, sets, **{"store.uri": store, "run.sync": sync or None})
-    if cfg.run.sync:
-        cfg = sync_overrides(cfg)
+    cfg = args.resolve(adjust=lambda cfg: sync_overrides(cfg) if cfg.run.sync else cfg)
     logs = logs or default_logs_dir(cfg.store.uri)
     resolved = write_resolved_config(cfg, logs / "config.yaml")
     raise typer.Exit(supervise(cfg, resolved, logs, quiet=quiet))

@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from opd_cache.cli.common import ConfigOpt, SetOpt, app, console, stage_config, user_errors
+from opd_cache.layout import RUN_JSON
 
 
 def _interrupt(signum, frame):
@@ -64,7 +65,7 @@ def eval_command(
     if cfg.prompts is None:
         raise ValueError("--prompts is required (or eval.prompts in --config)")
     # missing local inputs: one clear line before any tokenizer, prompt file or model loads
-    if "://" not in model and not Path(model, "run.json").exists():
+    if "://" not in model and not Path(model, RUN_JSON).exists():
         check_model_path(model, "--model")
     check_model_path(cfg.teacher, "--teacher")
     check_prompts_path(cfg.prompts)

@@ -300,9 +300,10 @@ class Store(FileStore):
         for name in self.quarantined_names():
             if not (name.startswith(prefix) and name.endswith(".arrow")):
                 continue
-            folder, _, shard_id = name[len(prefix) : -len(".arrow")].rpartition(quarantine_name("/"))
-            if folder and not PARTITION_RE.fullmatch(folder):
-                continue
+            shard_id = name[len(prefix) : -len(".arrow")]
+            folder, sep, rest = shard_id.partition(quarantine_name("/"))  # a shard id may hold the separator
+            if sep and PARTITION_RE.fullmatch(folder):
+                shard_id = rest
             try:
                 version, worker, seq = parse_shard_id(shard_id)
             except ValueError:

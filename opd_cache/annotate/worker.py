@@ -217,8 +217,8 @@ class Annotator:
         """This worker's rollout shards without this teacher's part, oldest first (stale ones included).
 
         One poll lists the partitions of the versions still worth annotating (`ShardWatch`): the staleness
-        window below LATEST (without a staleness bound, the last UNBOUNDED_WINDOW versions; older shards
-        published late come in through the watch's sweep, one old version per poll).
+        window below LATEST (older shards published late come in through the watch's sweep, one old version
+        per poll).
         """
         shards = self._watch.poll(*staleness_window(self.store.latest_version(), self.max_staleness))
         self._scored_since_poll = set()

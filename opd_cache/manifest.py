@@ -148,13 +148,16 @@ class RunManifest(_Record):
             return self.routing.teachers()
         return sorted(self.teachers or {})
 
-    # --- read-only access under run.json's key names, for scripts and tests written against the dict
+    # --- read-only access under run.json's key names (check_run; scripts and tests written against the dict)
     def _value(self, key: str) -> Any:
         value = getattr(self, key, None) if key in type(self).model_fields else (self.model_extra or {}).get(key)
         return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
     def keys(self) -> list[str]:
-        return [key for key in json.loads(self.to_json())]
+        return list(json.loads(self.to_json()))
+
+    def items(self) -> list[tuple[str, Any]]:
+        return list(json.loads(self.to_json()).items())
 
     def __getitem__(self, key: str) -> Any:
         value = self._value(key)
@@ -230,7 +233,7 @@ def ensure_run(store: Store, **fields: Any) -> RunManifest:
         store.create_if_absent(RUN_JSON, new.to_json())
         run = store.read_run()
     store.check_run(run, **fields)
-    missing = {key: plain(value) for key, value in fields.items() if plain(getattr(run, key)) is None}
+    missing = {key: plain(value) for key, value in fields.items() if run.get(key) is None}
     if missing:
         stored = store.read_json(RUN_JSON)  # as stored: without the teacher records, with unknown keys
         store.write_bytes(RUN_JSON, RunManifest.from_json({**stored, **missing}, store.path(RUN_JSON)).to_json())
@@ -242,7 +245,7 @@ def check_run(store: Store, run: RunManifest, **fields: Any) -> None:
     """A field recorded in `run` with a different value is a contradiction (the store belongs to another
     run / tokenizer / top-k): raise, naming both. Fields that are None or not recorded yet pass."""
     for key, value in fields.items():
-        recorded = plain(getattr(run, key))
+        recorded = run.get(key)
         if value is not None and recorded is not None and recorded != plain(value):
             raise StoreError(contradiction(store.path(RUN_JSON), key, recorded, plain(value)))
 

@@ -12,11 +12,14 @@ turns its report into one line per problem).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from opd_cache.staleness import DEFAULT_MAX_STALENESS
 
 
 class ConfigError(ValueError):
@@ -72,7 +75,11 @@ class RolloutConfig(Section):
     seed: int = Field(0, description="seed of the prompt order and of sampling")
     follow: bool = Field(False, description="keep running until the trainer's DONE marker")
     max_buffer_samples: int = Field(4096, ge=1, description="pause while the unconsumed backlog is larger")
-    max_staleness: int = Field(2, ge=0, description="pause while the loaded policy is further behind LATEST")
+    max_staleness: int = Field(
+        DEFAULT_MAX_STALENESS,
+        ge=0,
+        description="deprecated, use the top-level max_staleness; overrides it for rollout (pauses while its policy is further behind)",
+    )
     poll_seconds: float = Field(
         1.0, gt=0, description="wait between store checks (new policy, backlog); each is a LIST on S3"
     )
@@ -122,7 +129,11 @@ class AnnotateConfig(Section):
         None, description="teacher of the rows whose routing-key value is not in routing"
     )
     follow: bool = Field(False, description="keep annotating new shards until the trainer's train/DONE marker")
-    max_staleness: int | None = Field(None, ge=0, description="skip shards the trainer can no longer use")
+    max_staleness: int = Field(
+        DEFAULT_MAX_STALENESS,
+        ge=0,
+        description="deprecated, use the top-level max_staleness; overrides it for annotate (skips shards the trainer cannot use)",
+    )
     poll_seconds: float = Field(
         1.0, gt=0, description="wait between listings of new rollout shards; each is a LIST on S3"
     )
@@ -147,7 +158,11 @@ class TrainConfig(Section):
     beta: float = Field(0.5, ge=0, le=1, description="JSD mixture weight (0 = forward KL, 1 = reverse KL)")
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     max_steps: int = Field(100, ge=1, description="optimizer steps to train in total")
-    max_staleness: int = Field(2, ge=0, description="versions a row may lag behind the student (0 = synchronous)")
+    max_staleness: int = Field(
+        DEFAULT_MAX_STALENESS,
+        ge=0,
+        description="deprecated in a file, use the top-level max_staleness; overrides it for the trainer (`opd train --max-staleness`)",
+    )
     publish_every: int = Field(1, ge=1, description="publish a policy version every N steps")
     save_every: int = Field(10, ge=1, description="write a resume state every N steps")
     global_batch_samples: int | None = Field(64, ge=1, description="rows per optimizer step")
@@ -248,13 +263,37 @@ class RunConfig(Section):
     drain_seconds: float = Field(60.0, ge=0, description="after training: time for the evaluator to finish")
 
 
+STAGES_WITH_STALENESS = ("rollout", "annotate", "train")
+
+
 class Config(Section):
+    max_staleness: int = Field(
+        DEFAULT_MAX_STALENESS,
+        ge=0,
+        description="versions a row may lag behind the policy it trains (0 = synchronous): rollout pauses, annotate "
+        "skips, the trainer expires beyond it (opd_cache/staleness.py); one bound for the three stages",
+    )
     store: StoreConfig = StoreConfig()
     rollout: RolloutConfig = RolloutConfig()
     annotate: AnnotateConfig = AnnotateConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _one_max_staleness(self):
+        """Each stage section carries the bound it applies: the top-level one, unless the section sets its own
+        (the deprecated per-stage keys). As before, annotate follows the trainer's `train.max_staleness`."""
+        home_given = "max_staleness" in self.model_fields_set
+        for name in STAGES_WITH_STALENESS:
+            section = getattr(self, name)
+            if "max_staleness" in section.model_fields_set:
+                continue
+            value = self.max_staleness
+            if name == "annotate" and not home_given and "max_staleness" in self.train.model_fields_set:
+                value = self.train.max_staleness
+            object.__setattr__(section, "max_staleness", value)
+        return self
 
 
 def parse_set(assignment: str) -> tuple[str, Any]:
@@ -267,6 +306,11 @@ def parse_set(assignment: str) -> tuple[str, Any]:
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
+
+
+def _section(tree: dict, name: str) -> dict:
+    section = tree.get(name)
+    return section if isinstance(section, dict) else {}
 
 
 def _assign(tree: dict, dotted: str, value: Any) -> None:
@@ -305,15 +349,31 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config {path}: expected a mapping of sections, got {type(loaded).__name__}")
         tree = loaded
+    # `annotate.max_staleness: null` meant "follow the trainer" before the one top-level bound: still accepted
+    if _section(tree, "annotate").get("max_staleness", 0) is None:
+        del tree["annotate"]["max_staleness"]
+    # the per-stage max_staleness keys of the file and of --set (a stage flag such as `opd train --max-staleness`
+    # sets one too, and is no deprecated spelling)
+    deprecated = [f"{name}.max_staleness" for name in STAGES_WITH_STALENESS if "max_staleness" in _section(tree, name)]
     for key, value in (overrides or {}).items():
         if value is not None:
             _assign(tree, key, value)
     for assignment in sets or []:
-        _assign(tree, *parse_set(assignment))
+        key, value = parse_set(assignment)
+        _assign(tree, key, value)
+        if key.endswith(".max_staleness") and key.split(".")[0] in STAGES_WITH_STALENESS:
+            deprecated.append(key)
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, source=str(path) if path else None)) from None
+    for key in dict.fromkeys(deprecated):
+        print(
+            f"warning: config key {key!r} is deprecated: set the top-level max_staleness (one bound for rollout, "
+            f"annotate and train); {key} still overrides it for that stage",
+            file=sys.stderr,
+        )
+    return cfg
 
 
 def format_validation_error(error: ValidationError, source: str | None = None) -> str:

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from opd_cache.config import Config, load_config
+from opd_cache.layout import RUN_JSON
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "examples" / "arithmetic_cpu" / "config.yaml"
@@ -114,7 +115,7 @@ def clear_demo_outputs(out: Path, overwrite: bool) -> None:
         raise ValueError(
             f"--out {out}: {store} already holds a run; pass --overwrite to replace it, or choose another --out"
         )
-    if store_used and not (store / "run.json").exists():
+    if store_used and not (store / RUN_JSON).exists():
         raise ValueError(
             f"--out {out}: {store} is not an opd store (no run.json); --overwrite leaves it alone: choose another --out"
         )

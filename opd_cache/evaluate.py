@@ -157,12 +157,12 @@ def load_teacher(path: str | os.PathLike, student_tokenizer, device: str = "auto
 
 def resolve_model(model: str, s3_endpoint: str | None = None) -> tuple[str, int | None, Store | None]:
     """A checkpoint folder, or a store (then its newest published version, or the student for version 0)."""
-    if Path(model, "run.json").exists() or "://" in model:
+    if "://" in model or Store(model).has_run():
         store = Store(model, s3_endpoint=s3_endpoint)  # the endpoint of store.s3_endpoint, like the other stages
         run = store.require_run()
         version = store.latest_version()
         if version == 0:
-            return run["student"], 0, store
+            return run.student, 0, store
         return str(_policy_folder(store, version)), version, store
     if not Path(model).exists():
         raise FileNotFoundError(f"--model {model}: no such checkpoint folder or store")
@@ -196,7 +196,7 @@ def evaluate_store(
     `echo` receives one line per evaluated version (the CLI prints it: the evaluator's log in `opd run`);
     `tracker` (opd_cache.tracking.Tracker, from train.report_to) each result, with the version as its step."""
     run = store.require_run()
-    tokenizer = load_tokenizer(run["student"])
+    tokenizer = load_tokenizer(run.student)
     prompts = _subset(load_prompts(prompts_path, tokenizer), max_prompts)
     teacher = load_teacher(teacher_path, tokenizer, device) if teacher_path else None
     log = MetricsLog(store, "eval", worker)
@@ -210,7 +210,7 @@ def evaluate_store(
         # every `every`-th version, and the final one once training is done
         todo = [v for v in versions if v not in done_versions and (v % every == 0 or (finished and v == versions[-1]))]
         for version in todo:
-            path = run["student"] if version == 0 else _policy_folder(store, version)
+            path = run.student if version == 0 else _policy_folder(store, version)
             if engine is None:
                 engine = HFGenerator(
                     path,

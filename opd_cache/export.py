@@ -30,7 +30,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from opd_cache.schema import read_shard
-from opd_cache.store import TMP_MARKER, Store
+from opd_cache.store import RUN_JSON, TMP_MARKER, RunManifest, Store
 from opd_cache.train.shard_data import load_shard, ragged_index
 
 FORMATS = ("parquet", "arrow")
@@ -146,14 +146,14 @@ def teacher_batch(store: Store, run: dict, shard_id: str, teacher: str, tokenize
     return pa.RecordBatch.from_arrays(columns, schema=export_schema())
 
 
-def resolve_tokenizer(run: dict, tokenizer_path: str | None, store: Store):
+def resolve_tokenizer(run: RunManifest, tokenizer_path: str | None, store: Store):
     """The run's tokenizer from a local folder (`--tokenizer`, else run.json `student`); never a hub download."""
     from opd_cache.tokenizer import load_tokenizer
 
-    path = tokenizer_path or run.get("student")
+    path = tokenizer_path or run.student
     if not path or not Path(path).is_dir():
         raise ValueError(
-            f"cannot decode text: {store.path('run.json')} names the student {path!r}, which is not a "
+            f"cannot decode text: {store.path(RUN_JSON)} names the student {path!r}, which is not a "
             f"local folder; pass --tokenizer DIR (the run's tokenizer) or --no-text"
         )
     return load_tokenizer(path)
@@ -295,10 +295,10 @@ def export_store(
     result.seconds = time.monotonic() - start
     manifest = {
         "store": store.uri,
-        "run_id": run.get("run_id"),
+        "run_id": run.run_id,
         "format": fmt,
         "text_decoded": text,
-        "tokenizer": (tokenizer_path or run.get("student")) if text else None,
+        "tokenizer": (tokenizer_path or run.student) if text else None,
         "shards": result.shards,
         "teachers": {t: {"file": f"{t}.{fmt}", **vars(v)} for t, v in result.teachers.items()},
     }

@@ -32,7 +32,7 @@ import yaml
 from rich.live import Live
 from rich.table import Table
 
-from opd_cache.config import Config
+from opd_cache.config import STAGES_WITH_STALENESS, Config
 from opd_cache.metrics import read_metrics
 from opd_cache.progress import Every, duration
 from opd_cache.store import ShardTally, Store
@@ -69,7 +69,7 @@ class StageProcess:
 def sync_overrides(cfg: Config) -> Config:
     """The lockstep baseline expressed as pacing: no staleness, publish every step, one batch ahead at most."""
     batch = cfg.train.global_batch_samples or cfg.rollout.flush_rows
-    cfg.train.max_staleness = 0
+    cfg.max_staleness = cfg.train.max_staleness = 0
     cfg.train.publish_every = 1
     cfg.rollout.max_staleness = 0
     # rollout pauses while backlog > max_buffer_samples: one row less than a batch makes it wait for the
@@ -343,7 +343,7 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
     # Rollout creates run.json (run id, tokenizer); the other stages validate against it, so they start
     # once it exists. Until then only the rollout workers run.
     for stage in stages:
-        if stage.name.startswith("rollout") or store.exists("run.json"):
+        if stage.name.startswith("rollout") or store.has_run():
             stage.start(env)
 
     stop_requested = False
@@ -366,7 +366,7 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
                         and not stage.finished
                         and not stage.failed
                         and now >= stage.next_start
-                        and (stage.name.startswith("rollout") or store.exists("run.json"))
+                        and (stage.name.startswith("rollout") or store.has_run())
                     ):
                         stage.start(env)
                 display.update()
@@ -436,6 +436,13 @@ class RunDisplay:
 
 
 def write_resolved_config(cfg: Config, path: Path) -> Path:
+    """The configuration every stage process reads. Its top-level max_staleness is the trainer's bound, and a
+    stage's own key (deprecated: the stage warns about it) is written only where that stage's bound differs."""
+    resolved = cfg.model_dump(mode="json")
+    resolved["max_staleness"] = cfg.train.max_staleness
+    for name in STAGES_WITH_STALENESS:
+        if resolved[name]["max_staleness"] == resolved["max_staleness"]:
+            del resolved[name]["max_staleness"]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    path.write_text(yaml.safe_dump(resolved, sort_keys=False))
     return path

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from opd_cache import integrity
+from opd_cache.manifest import RunManifest, as_manifest
 
 if TYPE_CHECKING:
     from opd_cache.store import Store
@@ -232,7 +233,9 @@ def write_shard(store, rel: str, table: pa.Table, meta: ShardMeta, compression: 
     store.write_atomic(rel, write)
 
 
-def read_shard(store, rel: str, *, kind: str | None = None, run: dict | None = None) -> tuple[pa.Table, ShardMeta]:
+def read_shard(
+    store, rel: str, *, kind: str | None = None, run: RunManifest | dict | None = None
+) -> tuple[pa.Table, ShardMeta]:
     """Read and validate a shard; raises ShardError naming the file and the problem."""
     where = store.path(rel)
     # The checksum first: a damaged file is reported as damaged, not as whatever its garbage happens to decode to.
@@ -259,9 +262,10 @@ def read_shard(store, rel: str, *, kind: str | None = None, run: dict | None = N
     if kind is not None and meta.kind != kind:
         raise ShardError(f"{where}: is a {meta.kind!r} shard, expected {kind!r}")
     if run is not None:
-        if meta.run_id != run.get("run_id"):
-            raise ShardError(f"{where}: belongs to run {meta.run_id!r}, this store is run {run.get('run_id')!r}")
-        fp = run.get("tokenizer_fingerprint")
+        run = as_manifest(run)
+        if meta.run_id != run.run_id:
+            raise ShardError(f"{where}: belongs to run {meta.run_id!r}, this store is run {run.run_id!r}")
+        fp = run.tokenizer_fingerprint
         if fp and meta.tokenizer_fingerprint != fp:
             raise ShardError(f"{where}: written with tokenizer {meta.tokenizer_fingerprint!r}, this run uses {fp!r}")
     validate_table(table, meta, where=where)
@@ -332,20 +336,32 @@ def _check_same_lengths(table: pa.Table, reference: str, others: list[str], wher
             )
 
 
-def check_annotation_matches(rollout: pa.Table, annotated: pa.Table, where: str) -> None:
-    """An annotated part must cover the same samples, in the same order, with one entry per response token."""
-    if rollout.num_rows != annotated.num_rows or not rollout["sample_id"].equals(annotated["sample_id"]):
-        raise ShardError(f"{where}: sample ids differ from its rollout shard")
-    _check_lengths_equal(
-        list_lengths(rollout["response_ids"]), list_lengths(annotated["teacher_token_logprob"]), annotated, where
-    )
-
-
-def _check_lengths_equal(expected: np.ndarray, got: np.ndarray, table: pa.Table, where: str) -> None:
+def check_annotation_matches(
+    rollout: pa.Table, annotated: pa.Table, where: str, *, every_row: bool = True
+) -> np.ndarray:
+    """An annotated part must cover samples of its rollout shard, in rollout order, with one entry per response
+    token; returns the rollout row of each of its rows. `every_row=False` accepts a part that covers only some
+    rows (routing sends the others to other teachers)."""
+    if annotated.num_rows == rollout.num_rows and annotated["sample_id"].equals(rollout["sample_id"]):
+        rows = np.arange(rollout.num_rows, dtype=np.int64)
+    else:
+        found = pc.index_in(annotated["sample_id"], value_set=rollout["sample_id"])
+        if found.null_count or (every_row and annotated.num_rows != rollout.num_rows):
+            missing = np.nonzero(found.is_null().to_numpy(zero_copy_only=False))[0]
+            which = (
+                f" (sample {annotated['sample_id'][int(missing[0])].as_py()!r} is not in it)" if len(missing) else ""
+            )
+            raise ShardError(f"{where}: sample ids differ from its rollout shard{which}")
+        rows = found.to_numpy(zero_copy_only=False).astype(np.int64)
+        if len(rows) > 1 and not np.all(np.diff(rows) > 0):
+            raise ShardError(f"{where}: rows are not in rollout order (or repeat a sample)")
+    expected = list_lengths(rollout["response_ids"])[rows]
+    got = list_lengths(annotated["teacher_token_logprob"])
     bad = np.nonzero(expected != got)[0]
     if len(bad):
         r = int(bad[0])
         raise ShardError(f"{where}: row {r} has {got[r]} teacher positions but its response has {expected[r]} tokens")
+    return rows
 
 
 # ---------------------------------------------------------------- table builders

@@ -51,13 +51,14 @@ def constraint_text(metadata) -> str:
     return ", ".join(parts)
 
 
-def section_rows(model: type[BaseModel], prefix: str) -> list[str]:
+def section_rows(model: type[BaseModel], prefix: str, *, scalars_only: bool = False) -> list[str]:
     rows = []
     for name, field in model.model_fields.items():
-        key = f"{prefix}.{name}"
+        key = f"{prefix}.{name}" if prefix else name
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            rows.extend(section_rows(annotation, key))
+            if not scalars_only:
+                rows.extend(section_rows(annotation, key))
             continue
         default = field.default
         default_text = "" if default is None else f"`{default!r}`"
@@ -71,8 +72,16 @@ def section_rows(model: type[BaseModel], prefix: str) -> list[str]:
 
 def render() -> str:
     parts = [HEADER]
+    top_level = section_rows(Config, "", scalars_only=True)  # keys outside the sections (max_staleness)
+    if top_level:
+        parts.append(
+            "\n## top level\n\nKeys every stage reads.\n\n| key | type | default | range | meaning |\n|---|---|---|---|---|"
+        )
+        parts.append("\n".join(top_level))
     for name, field in Config.model_fields.items():
         model = field.annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue
         doc = (model.__doc__ or "").strip().splitlines()[0] if model.__doc__ else ""
         parts.append(f"\n## `{name}`\n\n{doc}\n\n| key | type | default | range | meaning |\n|---|---|---|---|---|")
         parts.append("\n".join(section_rows(model, name)))

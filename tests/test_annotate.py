@@ -25,7 +25,7 @@ import torch
 from typer.testing import CliRunner
 
 from opd_cache.annotate import Annotator, annotate, shard_owner
-from opd_cache.config import AnnotateConfig
+from opd_cache.config import AnnotateConfig, load_config
 from opd_cache.models import build_tiny_model, load_causal_lm, save_causal_lm
 from opd_cache.schema import (
     ANNOTATED,
@@ -250,11 +250,16 @@ def test_stale_shards_are_skipped_and_counted(store, teacher_path, tmp_path):
     stats = annotate(store, config(teacher_path, top_k=4, max_staleness=1), progress=False)
     assert sorted(stats.skipped_stale) == ["v000000-w00-000000", "v000001-w00-000000"]
     assert sorted(stats.annotated) == ["v000002-w00-000000", "v000003-w00-000000"]
-    # max_staleness recorded by the trainer in run.json applies when the flag is not given
+    # the bound is the configuration's one max_staleness (the top-level key, default 2); a trainer's value that
+    # an earlier version left in run.json is not read back
     store.delete_dir("annotated")
-    store.write_json("run.json", {**store.require_run(), "max_staleness": 0})
+    store.write_json("run.json", {**store.read_json("run.json"), "max_staleness": 0})
+    cfg = load_config(overrides={"annotate.teacher": str(teacher_path)}, sets=["max_staleness=1"]).annotate
+    stats = annotate(store, cfg, progress=False)
+    assert sorted(stats.annotated) == ["v000002-w00-000000", "v000003-w00-000000"]
+    store.delete_dir("annotated")
     stats = annotate(store, config(teacher_path, top_k=4), progress=False)
-    assert stats.annotated == ["v000003-w00-000000"] and len(stats.skipped_stale) == 3
+    assert stats.skipped_stale == ["v000000-w00-000000"] and len(stats.annotated) == 3
 
 
 def test_follow_annotates_new_shards_until_done(store, teacher_path):
@@ -341,12 +346,30 @@ def test_routing_sends_each_row_to_its_teacher(store, tiny_model_factory):
 
 def test_run_json_contradictions_fail_before_any_work(store, teacher_path, tiny_model_factory):
     write_shards(store, 1)
+    run_json = store.read_bytes("run.json")
     annotate(store, config(teacher_path, top_k=4), progress=False)
+    # the teacher is recorded in its own create-if-absent object; run.json is not rewritten
+    assert store.read_bytes("run.json") == run_json
+    record = json.loads(store.read_bytes("run/teachers/teacher.json"))
+    assert record["model"] == str(teacher_path) and record["top_k"] == 4 and record["codec"] == "none"
     with pytest.raises(StoreError, match="top_k is 4 in this store but 8 was given"):
         Annotator(store, config(teacher_path, top_k=8), progress=False)
     with pytest.raises(StoreError, match="teacher 'teacher' is .* use another --teacher-name"):
         Annotator(store, config(tiny_model_factory("teacher", seed=2)), progress=False)
     assert Annotator(store, config(teacher_path), progress=False).top_k == 4  # no --top-k: the store's value
+
+
+def test_a_store_with_its_teachers_in_run_json_is_annotated_as_before(store, teacher_path, tiny_model_factory):
+    """Stores written before the teacher records hold teachers and top_k in run.json: they still bind."""
+    shard_id = write_shards(store, 1)[0]
+    store.write_json(
+        "run.json", {**store.read_json("run.json"), "teachers": {"teacher": str(teacher_path)}, "top_k": 4}
+    )
+    with pytest.raises(StoreError, match=r"run\.json: teacher 'teacher' is .* use another --teacher-name"):
+        Annotator(store, config(tiny_model_factory("teacher", seed=2)), progress=False)
+    stats = annotate(store, config(teacher_path), progress=False)  # no --top-k: run.json's
+    assert stats.annotated == [shard_id] and read_part(store, shard_id)[1].top_k == 4
+    assert store.require_run().required_teachers() == ["teacher"]
 
 
 # ---------------------------------------------------------------- bad input

@@ -225,7 +225,7 @@ def test_export_refusals_are_one_line_and_write_nothing(annotated_store, tmp_pat
     hub = Store(tmp_path / "hub")
     run = hub.ensure_run(student="HuggingFaceTB/SmolLM2-135M", tokenizer_fingerprint="fp")
     (tmp_path / "hub" / "run.json").write_text(
-        json.dumps(annotated_store.require_run() | {"student": "HuggingFaceTB/SmolLM2-135M"})
+        json.dumps({**annotated_store.require_run(), "student": "HuggingFaceTB/SmolLM2-135M"})
     )
     for shard in annotated_store.list_rollout_shards():
         for rel in [shard.path] + [annotated_store.annotated_path(shard.shard_id, t) for t in ("tA", "tB")]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -190,3 +192,19 @@ def test_annotation_must_match_its_rollout(store):
     shifted = rollout.set_column(4, "response_ids", other["response_ids"])
     with pytest.raises(ShardError, match=r"row \d+ has \d+ teacher positions but its response has \d+ tokens"):
         check_annotation_matches(shifted, part, "part")
+
+
+def test_a_routed_part_covers_some_rows_in_rollout_order(store):
+    """The trainer's join (shard_data.load_shard) and the whole-part check are one function."""
+    rollout = write_random_rollout_shard(store, shard_id=SHARD, num_rows=6, max_response=4, seed=3)
+    part = annotated_part(rollout.take([1, 3, 4]))
+    assert check_annotation_matches(rollout, part, "part", every_row=False).tolist() == [1, 3, 4]
+    assert check_annotation_matches(rollout, annotated_part(rollout), "part").tolist() == list(range(6))
+    with pytest.raises(ShardError, match=r"part: sample ids differ from its rollout shard$"):
+        check_annotation_matches(rollout, part, "part")  # a part of some rows where every row is expected
+    with pytest.raises(ShardError, match=r"part: rows are not in rollout order \(or repeat a sample\)"):
+        check_annotation_matches(rollout, annotated_part(rollout.take([3, 1])), "part", every_row=False)
+    other = write_random_rollout_shard(store, shard_id="v000002-w00-000002", num_rows=2, max_response=4, seed=4)
+    sample = other["sample_id"][0].as_py()
+    with pytest.raises(ShardError, match=re.escape(f"sample ids differ from its rollout shard (sample {sample!r} is")):
+        check_annotation_matches(rollout, annotated_part(other), "part", every_row=False)

@@ -105,12 +105,47 @@ def test_quarantine_moves_file_with_reason(store):
         "rollouts__v000000__v000000-w00-000000.arrow": "rollouts/v000000/v000000-w00-000000.arrow: truncated"
     }
     assert store.list_rollout_shards() == []
+    assert dest == store.quarantine_path("rollouts/v000000/v000000-w00-000000.arrow")
+
+
+def test_quarantined_rollout_shards_are_found_in_either_layout(store):
+    """Rollout resumes past its quarantined seqs, pacing leaves their rows out: both read them from one LIST."""
+    for shard_id, rel in (
+        ("v000002-w__1-000007", None),  # worker ids may hold "__", the separator of quarantined names
+        ("v000000-w00-000003", "rollouts/v000000-w00-000003.arrow"),  # the flat layout of earlier versions
+    ):
+        rel = rel or store.rollout_path(shard_id)
+        store.write_bytes(rel, b"damaged")
+        store.quarantine(rel, "corrupt")
+    store.write_bytes(store.annotated_path("v000001-w00-000000", "teacher"), b"x")
+    store.quarantine(store.annotated_path("v000001-w00-000000", "teacher"), "corrupt")  # a part: not a shard
+    found = store.quarantined_rollouts()
+    assert [(s.shard_id, s.worker, s.seq) for s in found] == [
+        ("v000000-w00-000003", "w00", 3),
+        ("v000002-w__1-000007", "w__1", 7),
+    ]
+    assert all(store.exists(s.path) for s in found)
 
 
 def test_done_marker(store):
     assert not store.is_done()
     store.mark_done()
     assert store.is_done()
+    store.clear_done()
+    assert not store.is_done()
+
+
+def test_the_trainer_and_metrics_paths_come_from_the_store(store):
+    assert store.skipped_path("v000001-w00-000002") == "train/skipped/v000001-w00-000002.jsonl"
+    with pytest.raises(ValueError, match="invalid shard id"):
+        store.skipped_path("../x")
+    assert store.metrics_path("train-0") == "metrics/train-0.jsonl"
+    assert store.metrics_path("train-0", "00000001.jsonl") == "metrics/train-0/00000001.jsonl"
+    assert store.flat_rollout_path("v000001-w00-000002") == "rollouts/v000001-w00-000002.arrow"
+    assert store.flat_annotated_path("v000001-w00-000002", "t") == "annotated/v000001-w00-000002/t.arrow"
+    assert not store.has_run()
+    store.ensure_run(student="s")
+    assert store.has_run()
 
 
 def test_read_only_store_is_reported(tmp_path):

@@ -70,7 +70,8 @@ def drain(stream, version=0, limit=100):
 def skipped(store):
     out = {}
     for info in store.list_files("train/skipped"):
-        for line in store.read_bytes(f"train/skipped/{info.base_name}").decode().splitlines():
+        shard_id = info.base_name.removesuffix(".jsonl")
+        for line in store.read_bytes(store.skipped_path(shard_id)).decode().splitlines():
             record = json.loads(line)
             out[record["sample_id"]] = record["reason"]
     return out
@@ -79,7 +80,7 @@ def skipped(store):
 def test_required_teachers_follow_run_json():
     assert required_teachers({"teachers": {"t": "p"}}) == ["t"]
     assert required_teachers(
-        {"teachers": {"a": 1, "b": 2}, "routing": {"key": "data_source", "map": {"x": "a"}, "default": "b"}}
+        {"teachers": {"a": "p", "b": "q"}, "routing": {"key": "data_source", "map": {"x": "a"}, "default": "b"}}
     ) == ["a", "b"]
     assert required_teachers({}) == []
 

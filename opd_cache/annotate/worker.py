@@ -11,7 +11,8 @@ the teacher's log-probs at those ids.
 
 Properties the rest of the system relies on:
 - **Before any compute** the teacher's tokenizer is checked against the run's
-  (the student's), and top_k / teachers / routing are recorded in run.json so
+  (the student's), and the teacher records itself (model, top_k, routing) in
+  `run/teachers/<name>.json` (a create-if-absent object, never run.json) so
   that a contradicting worker fails instead of writing incompatible parts.
 - **No coordinator:** worker i of n takes the shards whose crc32(shard_id) % n
   is i. crc32 is stable across processes and machines (Python's `hash` is salted).
@@ -40,6 +41,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from opd_cache.codec import META_ID_BITS, encode_annotation
 from opd_cache.config import AnnotateConfig
 from opd_cache.engine import engine_fields
+from opd_cache.manifest import plain
 from opd_cache.metrics import MetricsLog
 from opd_cache.progress import Every
 from opd_cache.schema import (
@@ -54,7 +56,8 @@ from opd_cache.schema import (
     read_shard,
     write_shard,
 )
-from opd_cache.store import ShardInfo, ShardWatch, Store, StoreError, validate_name
+from opd_cache.staleness import is_too_stale, staleness_window
+from opd_cache.store import RunManifest, ShardInfo, ShardWatch, Store, TeacherRecord, validate_name
 from opd_cache.tokenizer import check_compatible, load_tokenizer, tokenizer_fingerprint
 
 
@@ -77,16 +80,12 @@ class AnnotateStats:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-# versions listed on every poll when annotate has no staleness bound (it then annotates every shard)
-UNBOUNDED_WINDOW = 8
-
-
 # ---------------------------------------------------------------- checks before any compute
-def _student_tokenizer(store: Store, run: dict):
+def _student_tokenizer(store: Store, run: RunManifest):
     """The run's tokenizer, when it can be loaded here (the student folder, or a published policy)."""
     candidates = []
-    if run.get("student") and os.path.isdir(str(run["student"])):
-        candidates.append(str(run["student"]))
+    if run.student and os.path.isdir(run.student):
+        candidates.append(run.student)
     if store.is_local:
         candidates += [str(store.local_path(store.policy_dir(v))) for v in reversed(store.policy_versions())]
     for path in candidates:
@@ -108,53 +107,32 @@ def _embedding_size(model_path: str, trust_remote_code: bool) -> int | None:
     return getattr(config.get_text_config(), "vocab_size", None)
 
 
-def check_teacher_tokenizer(store: Store, run: dict, teacher_tok, teacher: str, embedding_size: int | None) -> None:
+def check_teacher_tokenizer(
+    store: Store, run: RunManifest, teacher_tok, teacher: str, embedding_size: int | None
+) -> None:
     """Teacher and student must map every id to the same token; raise naming both models and the difference."""
-    student = str(run.get("student", "student"))
+    student = run.student or "student"
     student_tok = _student_tokenizer(store, run)
     if student_tok is not None:
         # names the first differing token; also refuses tokenizer ids beyond the teacher's embedding
         check_compatible(student_tok, teacher_tok, embedding_size, student_name=student, teacher_name=teacher)
-    expected = run.get("tokenizer_fingerprint")
+    expected = run.tokenizer_fingerprint
     got = tokenizer_fingerprint(teacher_tok)
     if expected and got != expected:
         raise ValueError(
             f"teacher {teacher} and student {student} tokenizers differ: the teacher's fingerprint is "
             f"{got}, the run's (run.json) is {expected}"
         )
-    if run.get("vocab_size") is not None and len(teacher_tok) != run["vocab_size"]:
+    if run.vocab_size is not None and len(teacher_tok) != run.vocab_size:
         raise ValueError(
             f"teacher {teacher}: its tokenizer has {len(teacher_tok)} tokens, the run's has "
-            f"{run['vocab_size']} (run.json vocab_size)"
+            f"{run.vocab_size} (run.json vocab_size)"
         )
     if embedding_size is not None and embedding_size < len(teacher_tok):
         raise ValueError(
             f"teacher {teacher}: the tokenizer has {len(teacher_tok)} tokens but the model's embedding "
             f"has only {embedding_size} rows (ids >= {embedding_size} cannot be scored)"
         )
-
-
-def _check_teacher(store: Store, run: dict, name: str, path: str) -> None:
-    """A teacher name recorded in run.json with another model path is a contradiction."""
-    teachers = run.get("teachers") or {}
-    if name in teachers and teachers[name] != path:
-        raise StoreError(
-            f"{store.path('run.json')}: teacher {name!r} is {teachers[name]!r} in this store but "
-            f"{path!r} was given; use another --teacher-name for a different model"
-        )
-
-
-def _record_teacher(store: Store, name: str, path: str) -> dict:
-    """Add {name: path} to run.json's `teachers` (other teachers' jobs add theirs); refuse a different path."""
-    for _ in range(5):
-        run = store.require_run()
-        _check_teacher(store, run, name, path)
-        teachers = dict(run.get("teachers") or {})
-        if name in teachers:
-            return run
-        store.write_json("run.json", {**run, "teachers": {**teachers, name: path}})
-        time.sleep(0.05)  # two teachers registering at once: re-read, and retry if our entry was overwritten
-    raise StoreError(f"{store.path('run.json')}: could not record teacher {name!r} (run.json keeps changing)")
 
 
 # ---------------------------------------------------------------- the worker
@@ -186,7 +164,7 @@ class Annotator:
         self.vocab_size = len(teacher_tok)
         # flags/YAML win; otherwise an existing store keeps its top_k and routing
         given = cfg.model_fields_set
-        self.top_k = cfg.top_k if "top_k" in given or "top_k" not in run else int(run["top_k"])
+        self.top_k = cfg.top_k if "top_k" in given or run.top_k is None else run.top_k
         if self.top_k > self.vocab_size:
             raise ValueError(
                 f"--top-k {self.top_k} is larger than the vocabulary of teacher {cfg.teacher} "
@@ -197,16 +175,18 @@ class Annotator:
             routing = {"key": cfg.routing_key, "map": dict(cfg.routing), "default": cfg.default_teacher}
 
         # 2. what this worker assumes must agree with the store: checked before the slow model load, but
-        #    recorded only after it, so a teacher that cannot be loaded leaves run.json untouched
-        fields = dict(
+        #    recorded only after it, so a teacher that cannot be loaded leaves the store untouched
+        record = TeacherRecord(
+            name=self.teacher,
+            model=teacher_path,
             top_k=self.top_k,
-            routing=routing,
+            routing=routing or run.routing,
             tokenizer_fingerprint=tokenizer_fingerprint(teacher_tok),
             vocab_size=self.vocab_size,
+            codec=cfg.codec,
         )
-        store.check_run(run, **fields)
-        _check_teacher(store, run, self.teacher, teacher_path)
-        self.routing = run.get("routing") or routing
+        store.check_teacher(record)
+        self.routing = plain(record.routing)
         if self.routing and self.teacher not in {*self.routing["map"].values(), self.routing.get("default")}:
             raise ValueError(
                 f"--teacher-name {self.teacher}: the routing in run.json sends no rows to it "
@@ -217,11 +197,9 @@ class Annotator:
         # 3. the engine
         self.scorer = scorer if scorer is not None else make_scorer(cfg, self.top_k, self.vocab_size)
 
-        # 4. record what this worker assumes; a store changed meanwhile by a contradicting worker fails here
-        run = store.ensure_run(**fields)
-        self.run_info = _record_teacher(store, self.teacher, teacher_path)
-        self.routing = run.get("routing")
-        self.max_staleness = cfg.max_staleness if cfg.max_staleness is not None else run.get("max_staleness")
+        # 4. record this teacher; a store changed meanwhile by a contradicting worker fails here
+        self.run_info = store.register_teacher(record)
+        self.max_staleness = cfg.max_staleness  # the configuration's one bound (opd_cache/staleness.py)
         self.union_support = cfg.engine == "hf"  # vLLM cannot gather log-probs at arbitrary ids
         self._warned_no_support = False
         self.metrics = MetricsLog(store, "annotate", f"{self.teacher}-{cfg.worker_index}")
@@ -239,12 +217,10 @@ class Annotator:
         """This worker's rollout shards without this teacher's part, oldest first (stale ones included).
 
         One poll lists the partitions of the versions still worth annotating (`ShardWatch`): the staleness
-        window below LATEST (without a staleness bound, the last UNBOUNDED_WINDOW versions; older shards
-        published late come in through the watch's sweep, one old version per poll).
+        window below LATEST (older shards published late come in through the watch's sweep, one old version
+        per poll).
         """
-        latest = self.store.latest_version()
-        window = self.max_staleness if self.max_staleness is not None else UNBOUNDED_WINDOW
-        shards = self._watch.poll(latest - window, latest)
+        shards = self._watch.poll(*staleness_window(self.store.latest_version(), self.max_staleness))
         self._scored_since_poll = set()
         parts = self._watch.parts
         return [
@@ -280,7 +256,7 @@ class Annotator:
 
     def too_stale(self, info: ShardInfo, latest_version: int) -> bool:
         """The trainer (at version >= latest) can no longer use rows from this shard's policy version."""
-        return self.max_staleness is not None and latest_version - info.policy_version > self.max_staleness
+        return is_too_stale(info.policy_version, latest_version, self.max_staleness)
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> AnnotateStats:
@@ -378,8 +354,8 @@ class Annotator:
         )
         out_meta = ShardMeta(
             kind=ANNOTATED,
-            run_id=self.run_info["run_id"],
-            tokenizer_fingerprint=self.run_info["tokenizer_fingerprint"],
+            run_id=self.run_info.run_id,
+            tokenizer_fingerprint=self.run_info.tokenizer_fingerprint,
             shard_id=info.shard_id,
             policy_version=meta.policy_version,
             top_k=self.top_k,

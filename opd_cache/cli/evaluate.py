@@ -11,6 +11,7 @@ import typer
 
 from opd_cache.cli.common import app, console, user_errors
 from opd_cache.cli.config_flags import ConfigArgs, config_flags
+from opd_cache.layout import RUN_JSON
 
 
 def _interrupt(signum, frame):
@@ -50,7 +51,7 @@ def eval_command(
     if cfg.prompts is None:
         raise ValueError("--prompts is required (or eval.prompts in --config)")
     # missing local inputs: one clear line before any tokenizer, prompt file or model loads
-    if "://" not in model and not Path(model, "run.json").exists():
+    if "://" not in model and not Path(model, RUN_JSON).exists():
         check_model_path(model, "--model")
     check_model_path(cfg.teacher, "--teacher")
     check_prompts_path(cfg.prompts)

@@ -32,7 +32,7 @@ def _find_store_root(shard: str) -> Store | None:
     version partitions) live two to four levels below the store root."""
     path = Path(shard)
     for root in (path.parent.parent, path.parent.parent.parent, path.parent.parent.parent.parent):
-        if (root / "run.json").exists():
+        if Store(root).has_run():
             return Store(root)
     return None
 
@@ -75,7 +75,7 @@ def store_root(path: str) -> Store | None:
     store = Store(path)
     if store.fs.get_file_info(store.root).type == pafs.FileType.File:
         return None
-    return store if store.exists("run.json") else None
+    return store if store.has_run() else None
 
 
 def summarize_store(store: Store, on_file=None) -> dict:
@@ -141,8 +141,8 @@ def summarize_store(store: Store, on_file=None) -> dict:
             t[key] = sorted(t[key])
     return {
         "store": store.path(""),
-        "run_id": run.get("run_id"),
-        "student": run.get("student"),
+        "run_id": run.run_id,
+        "student": run.student,
         "policy_versions": sorted({s.policy_version for s in shards}),
         "published_versions": store.policy_versions(),
         "rollouts": rollout,
@@ -235,7 +235,7 @@ def inspect_command(
     tokenizer = None
     store = _find_store_root(shard)
     run = store.read_run() if store else None
-    tok_path = tokenizer_path or (run or {}).get("student")
+    tok_path = tokenizer_path or (run.student if run else None)
     if tok_path and not tokenizer_path and not Path(tok_path).exists():
         tok_path = None  # a hub id: decoding is a convenience, never a reason to go to the network
     if tok_path:
@@ -281,7 +281,7 @@ def inspect_command(
 def _rollout_row(store: Store, shard_id: str, sample_id: str) -> dict | None:
     """The rollout row an annotated row scores (None when the rollout shard is not in this store)."""
     # the partitioned layout, then the flat one of stores not yet migrated (inspect reads any store)
-    for rel in (store.rollout_path(shard_id), f"rollouts/{shard_id}.arrow"):
+    for rel in (store.rollout_path(shard_id), store.flat_rollout_path(shard_id)):
         try:
             table, _ = read_shard(store, rel)
             break

@@ -14,20 +14,21 @@ import os
 import typer
 
 from opd_cache.cli.common import app, console, user_errors
+from opd_cache.layout import ANNOTATED
 
 
 def flat_layout_moves(store) -> list[tuple[str, str]]:
     """(old, new) store-relative paths of every shard and part still in the flat layout; parts first."""
     moves = []
-    prefix = store.path("annotated") + "/"
-    for info in store.list_files("annotated", recursive=True):
+    prefix = store.path(ANNOTATED) + "/"
+    for info in store.list_files(ANNOTATED, recursive=True):
         names = info.path[len(prefix) :].split("/")
         if len(names) == 2 and names[1].endswith(".arrow"):
+            shard_id, teacher = names[0], names[1][: -len(".arrow")]
             try:
-                new = store.annotated_path(names[0], names[1][: -len(".arrow")])
+                moves.append((store.flat_annotated_path(shard_id, teacher), store.annotated_path(shard_id, teacher)))
             except ValueError:
                 continue  # not a shard's part: left where it is
-            moves.append((f"annotated/{names[0]}/{names[1]}", new))
     moves += [
         (s.path, store.rollout_path(s.shard_id))
         for s in store.list_rollout_shards()
@@ -71,7 +72,7 @@ def migrate_command(
         move_file(s, old, new)
         if i % 1000 == 0 or i == len(moves):
             console.print(f"moved {i}/{len(moves)} files", highlight=False, soft_wrap=True)
-    for leftover in s.list_dirs("annotated"):  # the emptied flat part folders (local stores; S3 has none)
-        if not s.list_files(f"annotated/{leftover}", recursive=True) and "-" in leftover:
-            s.delete_dir(f"annotated/{leftover}")
+    for leftover in s.list_dirs(ANNOTATED):  # the emptied flat part folders (local stores; S3 has none)
+        if not s.list_files(f"{ANNOTATED}/{leftover}", recursive=True) and "-" in leftover:
+            s.delete_dir(f"{ANNOTATED}/{leftover}")
     console.print(f"{s.uri}: moved {len(moves)} files into version partitions", highlight=False, soft_wrap=True)

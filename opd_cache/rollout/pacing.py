@@ -54,12 +54,5 @@ class BacklogGauge:
 
     def _quarantined_rows(self) -> int:
         """Rows of counted shards moved to quarantine/ (damaged): never trained, so no coverage (one LIST)."""
-        moved = {info.base_name for info in self.store.list_files("quarantine")}
-        if not moved:
-            return 0
-        # Store.quarantine names the moved file after its path
-        return sum(
-            rows
-            for shard_id, rows in self.rows.items()
-            if self.store.rollout_path(shard_id).replace("/", "__") in moved
-        )
+        moved = {s.shard_id for s in self.store.quarantined_rollouts()}
+        return sum(rows for shard_id, rows in self.rows.items() if shard_id in moved)

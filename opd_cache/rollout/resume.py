@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass, field
 
 from opd_cache.schema import ROLLOUT, CorruptShardError, ShardError, ShardMeta, read_shard
-from opd_cache.store import Store, parse_shard_id
+from opd_cache.store import RunManifest, Store
 
 # Keys this stage adds to a rollout shard's metadata (ShardMeta ignores keys it does not know).
 META_CURSOR = "opd.rollout.cursor"  # stream position after the shard's last prompt
@@ -52,7 +52,7 @@ class ResumePoint:
     quarantined: list[str] = field(default_factory=list)  # this worker's damaged newest shards, moved aside
 
 
-def resume_point(store: Store, worker_id: str, run: dict, seed: int, num_prompts: int) -> ResumePoint:
+def resume_point(store: Store, worker_id: str, run: RunManifest, seed: int, num_prompts: int) -> ResumePoint:
     """Where this worker stopped, read from its own last intact shard.
 
     A worker's shards never go back in version, so its last one lies in the newest partition holding any of
@@ -72,7 +72,8 @@ def resume_point(store: Store, worker_id: str, run: dict, seed: int, num_prompts
             break
     else:
         mine = [s for s in store.list_rollout_shards() if s.worker == worker_id]
-    used_seq = max([s.seq for s in mine] + _quarantined_seqs(store, worker_id), default=-1)
+    moved = [s.seq for s in store.quarantined_rollouts() if s.worker == worker_id]  # one LIST of quarantine/
+    used_seq = max([s.seq for s in mine] + moved, default=-1)
     quarantined = []
     while mine:
         last = max(mine, key=lambda s: s.seq)
@@ -116,18 +117,3 @@ def _quarantine(store: Store, error: CorruptShardError) -> None:
     except FileNotFoundError:
         pass  # the trainer or annotate quarantined it first
     print(f"{error}: quarantined", file=sys.stderr)
-
-
-def _quarantined_seqs(store: Store, worker_id: str) -> list[int]:
-    """Seqs of this worker's rollout shards in quarantine/ (`rollouts__v<version>__<shard id>.arrow`)."""
-    seqs = []
-    for info in store.list_files("quarantine"):  # names only: one LIST, no reason file read
-        name = info.base_name
-        if name.startswith("rollouts__") and name.endswith(".arrow"):
-            try:
-                _, worker, seq = parse_shard_id(name.rsplit("__", 1)[-1].removesuffix(".arrow"))
-            except ValueError:
-                continue
-            if worker == worker_id:
-                seqs.append(seq)
-    return seqs

@@ -50,7 +50,8 @@ from opd_cache.rollout.policy import CorruptPolicyError, PolicyFiles, check_poli
 from opd_cache.rollout.prompt_stream import PromptStream, batch_seed
 from opd_cache.rollout.resume import RolloutShardMeta, resume_point
 from opd_cache.schema import ROLLOUT, rollout_table, write_shard
-from opd_cache.store import Store, make_shard_id, validate_worker_id
+from opd_cache.staleness import is_too_stale
+from opd_cache.store import RunManifest, Store, make_shard_id, validate_worker_id
 from opd_cache.tasks.prompts import PromptSet, load_prompts
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -201,8 +202,8 @@ class RolloutWorker:
     def _setup(self) -> None:
         cfg, store = self.cfg, self.store
         # 1. Inputs first: a bad prompt file or tokenizer fails before anything is written.
-        run = store.read_run() or {}
-        student = cfg.student or run.get("student")
+        run = store.read_run() or RunManifest()
+        student = cfg.student or run.student
         if student is None:
             raise ValueError("--student is required: this store has no run.json naming the student")
         student = student_id(student)
@@ -211,7 +212,7 @@ class RolloutWorker:
             cfg.prompts, self.tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, truncate=cfg.truncate_prompts
         )
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
-        self.student_topk = cfg.student_topk or int(run.get("student_topk", 0))
+        self.student_topk = cfg.student_topk or run.student_topk or 0
         if self.student_topk > len(self.tokenizer):
             raise ValueError(
                 f"student_topk {self.student_topk} is larger than the vocabulary ({len(self.tokenizer)} tokens)"
@@ -274,7 +275,7 @@ class RolloutWorker:
         rows = len(buffer)
         meta = RolloutShardMeta(
             kind=ROLLOUT,
-            run_id=self.run_manifest["run_id"],
+            run_id=self.run_manifest.run_id,
             tokenizer_fingerprint=self.fingerprint,
             shard_id=shard_id,
             policy_version=self.version,
@@ -317,7 +318,7 @@ class RolloutWorker:
     def must_wait(self) -> bool:
         """Too far ahead of the trainer: backlog over the buffer, policy too stale, or demand covered."""
         self.backlog = self.backlog_gauge.backlog()
-        too_stale = self.version < self.store.latest_version() - self.cfg.max_staleness
+        too_stale = is_too_stale(self.version, self.store.latest_version(), self.cfg.max_staleness)
         return self.backlog > self.cfg.max_buffer_samples or too_stale or self.demand_covered()
 
     def demand_covered(self) -> bool:

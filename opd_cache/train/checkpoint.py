@@ -63,11 +63,10 @@ from pathlib import Path
 import torch
 
 from opd_cache.integrity import MANIFEST, FileProblem, legacy_warning, manifest_bytes, manifest_for, verify_local_folder
+from opd_cache.layout import TRAIN_CONSUMED as CONSUMED
+from opd_cache.layout import TRAIN_SKIPPED as SKIPPED
+from opd_cache.layout import TRAIN_STATE as STATE_ROOT
 from opd_cache.store import COMPLETE_MARKER, Store, StoreError, iter_jsonl
-
-STATE_ROOT = "train/state"
-CONSUMED = "train/consumed"
-SKIPPED = "train/skipped"
 
 
 def state_rel(step: int) -> str:
@@ -127,7 +126,7 @@ def save_state(
         final = store.local_path(rel)
         folder = Path(f"{final}.tmp-save")
     else:
-        folder = Path(tempfile.gettempdir()) / f"opd-state-{store.require_run()['run_id']}-step-{step:06d}"
+        folder = Path(tempfile.gettempdir()) / f"opd-state-{store.require_run().run_id}-step-{step:06d}"
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from opd_cache.store import ShardInfo, Store
+from opd_cache.store import RUN_JSON, RunManifest, ShardInfo, Store
 from opd_cache.train.shard_data import ShardCache, ShardData, required_teachers
 from opd_cache.train.stream import GlobalBatch, StreamCursor, StreamEnd
 from opd_cache.train.trainer import Trainer
@@ -51,7 +51,7 @@ class ReplaySpec:
 @dataclass
 class Source:
     store: Store
-    run: dict
+    run: RunManifest
     teachers: list[str]
     shards: list[ShardInfo] = field(default_factory=list)  # annotated by every teacher, inside the version range
 
@@ -69,7 +69,7 @@ def open_sources(spec: ReplaySpec) -> list[Source]:
         shards, parts = store.list_dataset()
         teachers = required_teachers(run)
         if spec.teachers:
-            present = set(run.get("teachers") or {}) | {t for names in parts.values() for t in names}
+            present = set(run.teachers or {}) | {t for names in parts.values() for t in names}
             missing = sorted(set(spec.teachers) - present)
             if len(missing) == len(set(spec.teachers)):
                 raise ValueError(
@@ -97,16 +97,16 @@ def open_sources(spec: ReplaySpec) -> list[Source]:
     first = sources[0]
     for other in sources[1:]:
         for key in ("tokenizer_fingerprint", "top_k"):
-            if other.run.get(key) != first.run.get(key):
+            if getattr(other.run, key) != getattr(first.run, key):
                 raise ValueError(
-                    f"--from {other.store.uri}: {key} is {other.run.get(key)!r}, but "
-                    f"{first.store.uri} has {first.run.get(key)!r}; replay sources must share one "
+                    f"--from {other.store.uri}: {key} is {getattr(other.run, key)!r}, but "
+                    f"{first.store.uri} has {getattr(first.run, key)!r}; replay sources must share one "
                     f"tokenizer and top-k"
                 )
     return sources
 
 
-def prepare_replay_store(store: Store, spec: ReplaySpec, sources: list[Source], student: str | None) -> dict:
+def prepare_replay_store(store: Store, spec: ReplaySpec, sources: list[Source], student: str | None) -> RunManifest:
     """Create (or check, on resume) the replay store's run.json before the trainer opens it."""
     source_roots = {s.store.path("") for s in sources}
     if store.path("") in source_roots:
@@ -115,20 +115,20 @@ def prepare_replay_store(store: Store, spec: ReplaySpec, sources: list[Source], 
             f"reads its sources"
         )
     run = store.read_run()
-    if run is not None and "replay" not in run:
+    if run is not None and run.replay is None:
         raise ValueError(
-            f"--store {store.uri} holds a run that is not a replay ({store.path('run.json')}); use a new folder"
+            f"--store {store.uri} holds a run that is not a replay ({store.path(RUN_JSON)}); use a new folder"
         )
     first = sources[0].run
     teachers = {}
     for s in sources:
-        teachers.update({t: (s.run.get("teachers") or {}).get(t, s.store.uri) for t in s.teachers})
+        teachers.update({t: (s.run.teachers or {}).get(t, s.store.uri) for t in s.teachers})
     return store.ensure_run(  # replay first: a resume with another selection is refused naming it
-        replay={**spec.to_dict(), "source_run_ids": [s.run.get("run_id") for s in sources]},
-        student=student or first.get("student"),
-        tokenizer_fingerprint=first.get("tokenizer_fingerprint"),
-        top_k=first.get("top_k"),
-        vocab_size=first.get("vocab_size"),
+        replay={**spec.to_dict(), "source_run_ids": [s.run.run_id for s in sources]},
+        student=student or first.student,
+        tokenizer_fingerprint=first.tokenizer_fingerprint,
+        top_k=first.top_k,
+        vocab_size=first.vocab_size,
         teachers=teachers,
     )
 

@@ -18,26 +18,23 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from opd_cache.schema import ANNOTATED, ROLLOUT, ShardError, flat_values, list_lengths, read_shard
+from opd_cache.manifest import RunManifest, as_manifest
+from opd_cache.schema import (
+    ANNOTATED,
+    ROLLOUT,
+    ShardError,
+    check_annotation_matches,
+    flat_values,
+    list_lengths,
+    read_shard,
+)
 from opd_cache.store import Store, parse_shard_id
 
 
-def required_teachers(run: dict) -> list[str]:
-    """The teachers whose part must exist before a shard can train.
-
-    With routing (run.json `routing`): the values of its map plus its default;
-    without: every teacher in run.json `teachers` (by convention, one).
-    """
-    routing = run.get("routing")
-    if routing:
-        names = set((routing.get("map") or {}).values())
-        if routing.get("default"):
-            names.add(routing["default"])
-    else:
-        names = set(run.get("teachers") or {})
-    return sorted(names)
+def required_teachers(run: RunManifest | dict) -> list[str]:
+    """The teachers whose part must exist before a shard can train (`RunManifest.required_teachers`)."""
+    return as_manifest(run).required_teachers()
 
 
 def offsets_of(lengths: np.ndarray) -> np.ndarray:
@@ -92,8 +89,11 @@ class ShardData:
         self.response_lengths = np.diff(self.response_offsets)
 
 
-def load_shard(store: Store, run: dict, shard_id: str, teachers: list[str], *, need_support: bool = False) -> ShardData:
+def load_shard(
+    store: Store, run: RunManifest | dict, shard_id: str, teachers: list[str], *, need_support: bool = False
+) -> ShardData:
     """Read and join a rollout shard and the parts of `teachers`; raises ShardError naming the file."""
+    run = as_manifest(run)
     version = parse_shard_id(shard_id)[0]
     rollout_rel = store.rollout_path(shard_id)
     rollout, rmeta = read_shard(store, rollout_rel, kind=ROLLOUT, run=run)
@@ -112,9 +112,9 @@ def load_shard(store: Store, run: dict, shard_id: str, teachers: list[str], *, n
         rel = store.annotated_path(shard_id, teacher)
         table, meta = read_shard(store, rel, kind=ANNOTATED, run=run)
         where = store.path(rel)
-        if run.get("top_k") is not None and meta.top_k != run["top_k"]:
+        if run.top_k is not None and meta.top_k != run.top_k:
             raise ShardError(
-                f"{where}: annotated with top_k={meta.top_k} but run.json has top_k={run['top_k']}; "
+                f"{where}: annotated with top_k={meta.top_k} but run.json has top_k={run.top_k}; "
                 f"re-annotate with the run's top_k or use a new store"
             )
         if meta.teacher is not None and meta.teacher != teacher:
@@ -130,26 +130,7 @@ def load_shard(store: Store, run: dict, shard_id: str, teachers: list[str], *, n
     single_full = len(parts) == 1 and parts[0][1].num_rows == n
     part_rows: list[np.ndarray] = []
     for i, (teacher, table, where) in enumerate(parts):
-        if table.num_rows == n and table["sample_id"].equals(rollout["sample_id"]):
-            rows = np.arange(n, dtype=np.int64)
-        else:
-            found = pc.index_in(table["sample_id"], value_set=rollout["sample_id"])
-            if found.null_count:
-                bad = int(np.nonzero(found.is_null().to_numpy(zero_copy_only=False))[0][0])
-                raise ShardError(
-                    f"{where}: sample {table['sample_id'][bad].as_py()!r} is not in rollout shard {shard_id}"
-                )
-            rows = found.to_numpy(zero_copy_only=False).astype(np.int64)
-            if len(rows) > 1 and not np.all(np.diff(rows) > 0):
-                raise ShardError(f"{where}: rows are not in rollout order (or repeat a sample)")
-        got = list_lengths(table["teacher_token_logprob"])
-        bad = np.nonzero(got != response_lengths[rows])[0]
-        if len(bad):
-            r = int(bad[0])
-            raise ShardError(
-                f"{where}: row {r} has {got[r]} teacher positions but its response has "
-                f"{response_lengths[rows[r]]} tokens"
-            )
+        rows = check_annotation_matches(rollout, table, where, every_row=False)
         taken = teacher_of_row[rows] >= 0
         if taken.any():
             other = teachers[int(teacher_of_row[rows[np.argmax(taken)]])]
@@ -213,7 +194,7 @@ def _one_chunk(column: pa.ChunkedArray) -> pa.Array:
     return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
 
 
-def read_rollout_ids(store: Store, run: dict, shard_id: str) -> pa.Array:
+def read_rollout_ids(store: Store, run: RunManifest, shard_id: str) -> pa.Array:
     """The sample ids of a rollout shard (to record the rows of a shard that expired before it was annotated)."""
     table, _ = read_shard(store, store.rollout_path(shard_id), kind=ROLLOUT, run=run)
     return _one_chunk(table["sample_id"])
@@ -222,14 +203,16 @@ def read_rollout_ids(store: Store, run: dict, shard_id: str) -> pa.Array:
 class ShardCache:
     """The last few loaded shards (a global batch touches few shards; the decoder revisits them)."""
 
-    def __init__(self, store: Store, run: dict, teachers: list[str], *, need_support: bool = False, capacity: int = 16):
+    def __init__(
+        self, store: Store, run: RunManifest, teachers: list[str], *, need_support: bool = False, capacity: int = 16
+    ):
         self.store, self.run, self.teachers = store, run, list(teachers)
         self.need_support = need_support
         self.capacity = capacity
         self._shards: OrderedDict[str, ShardData] = OrderedDict()
 
     def refresh_run(self) -> None:
-        """Re-read run.json (a trainer started with --follow before annotate named the teachers)."""
+        """Re-read the manifest (a trainer started with --follow before annotate registered the teachers)."""
         self.run = self.store.require_run()
         self.teachers = required_teachers(self.run)
 

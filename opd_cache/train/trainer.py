@@ -39,7 +39,7 @@ from opd_cache.config import Config, TrainConfig
 from opd_cache.engine import resolve_device
 from opd_cache.losses import LOSSES, POLICY_GRADIENT, token_losses
 from opd_cache.metrics import MetricsLog
-from opd_cache.store import Store
+from opd_cache.store import RUN_JSON, RunManifest, Store
 from opd_cache.tracking import Tracker, check_trackers, train_metrics
 from opd_cache.train.checkpoint import (
     CorruptStateError,
@@ -114,7 +114,7 @@ def init_distributed(device_name: str = "auto") -> DistEnv:
 
 
 # ---------------------------------------------------------------------- 2. bad input
-def check_inputs(cfg: TrainConfig, run: dict, world_size: int) -> None:
+def check_inputs(cfg: TrainConfig, run: RunManifest, world_size: int) -> None:
     """Refuse what cannot work, before loading anything big."""
     if cfg.loss not in LOSSES and cfg.loss != POLICY_GRADIENT:
         raise ValueError(f"--loss {cfg.loss!r} is not a loss; use one of {', '.join([*LOSSES, POLICY_GRADIENT])}")
@@ -127,7 +127,7 @@ def check_inputs(cfg: TrainConfig, run: dict, world_size: int) -> None:
         )
     if cfg.global_batch_tokens is not None and cfg.global_batch_tokens < world_size:
         raise ValueError(f"--global-batch-tokens {cfg.global_batch_tokens} is smaller than the world size {world_size}")
-    if cfg.support == "union" and not run.get("student_topk"):
+    if cfg.support == "union" and not run.student_topk:
         raise ValueError(
             "--support union needs the student's top-k ids in the rollout shards (student_topk_ids), "
             "but run.json has no student_topk: roll out with rollout.student_topk > 0 or use --support teacher"
@@ -187,26 +187,23 @@ class Trainer:
         run = self.store.require_run()
         check_inputs(cfg, run, env.world_size)
         check_trackers(cfg.report_to)  # a missing tracker package fails before the model loads
-        student = cfg.student or run.get("student")
+        student = cfg.student or run.student
         if not student:
             raise ValueError("no student model: pass --student PATH (run.json has no 'student' either)")
         self.tokenizer = load_tokenizer(student, trust_remote_code=cfg.trust_remote_code)
         fingerprint = tokenizer_fingerprint(self.tokenizer)
-        if run.get("tokenizer_fingerprint") and run["tokenizer_fingerprint"] != fingerprint:
+        if run.tokenizer_fingerprint and run.tokenizer_fingerprint != fingerprint:
             raise ValueError(
                 f"--student {student}: its tokenizer (fingerprint {fingerprint}) is not the run's "
-                f"({run['tokenizer_fingerprint']} in {self.store.path('run.json')}); "
+                f"({run.tokenizer_fingerprint} in {self.store.path(RUN_JSON)}); "
                 f"train the student whose tokenizer sampled the rollouts"
             )
         if not required_teachers(run) and not cfg.follow:
             raise ValueError(
-                f"{self.store.path('run.json')} names no teachers: run `opd annotate` on this store "
+                f"{self.store.path(RUN_JSON)} names no teachers: run `opd annotate` on this store "
                 f"first, or pass --follow to wait for it"
             )
-        if env.rank == 0:  # the other stages pace themselves with it; a contradicting value is refused
-            self.store.ensure_run(max_staleness=cfg.max_staleness)
-        env.barrier()
-        self.run_manifest = self.store.require_run()
+        self.run_manifest = run
         torch.manual_seed(cfg.seed)
 
         # model, loss module, sharding, optimizer
@@ -340,7 +337,7 @@ class Trainer:
             return self._result("max_steps")
         if env.rank == 0:
             if store.is_done():
-                store.delete("train/DONE")  # training continues: a larger --max-steps than the finished run's
+                store.clear_done()  # training continues: a larger --max-steps than the finished run's
             self.metrics = MetricsLog(store, "train", "0")
             # records of steps after the resumed state are logged again by this run
             self.metrics.rewrite(lambda record: record.get("step", 0) <= self.step)
@@ -348,7 +345,7 @@ class Trainer:
                 Tracker(
                     cfg.report_to,
                     store=store,
-                    run_id=self.run_manifest["run_id"],
+                    run_id=self.run_manifest.run_id,
                     job="train",
                     config=self.config.model_dump(mode="json"),
                 )

@@ -18,6 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from opd_cache.losses import LossConfig
+
 
 class ConfigError(ValueError):
     """A configuration the user must fix; the message says which key and what was expected."""
@@ -115,12 +117,14 @@ class AnnotateConfig(Section):
 class TrainConfig(Section):
     """`opd train`: the FSDP2 student trainer (losses: docs/losses.md)."""
 
+    # The loss keys take their defaults from LossConfig, which `LossConfig.from_train_config` builds from them.
+
     student: str | None = None
-    loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd | k2 | k3 | abs | pg (policy-gradient OPD)
-    tail: Literal["bucket", "renorm", "none"] = "bucket"
+    loss: str = LossConfig.divergence  # forward_kl | reverse_kl | jsd | k2 | k3 | abs | pg (policy-gradient OPD)
+    tail: Literal["bucket", "renorm", "none"] = LossConfig.tail
     support: Literal["teacher", "union"] = "teacher"
-    beta: float = Field(0.5, ge=0, le=1)
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    beta: float = Field(LossConfig.beta, ge=0, le=1)
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = LossConfig.aggregation
     max_steps: int = Field(100, ge=1)
     max_staleness: int = Field(2, ge=0)
     publish_every: int = Field(1, ge=1)
@@ -135,13 +139,15 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
-    chunk_size: int = Field(1024, ge=1)  # tokens per chunk of the fused loss
+    chunk_size: int = Field(LossConfig.chunk_size, ge=1)  # tokens per chunk of the fused loss
     # policy-gradient OPD and off-policy correction
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.28, ge=0)
-    importance_cap: float | None = Field(None, gt=0)  # truncated IS weight min(exp(s - s_behavior), c)
-    task_reward_weight: float = Field(0.0, ge=0)  # 0 = pure distillation; >0 adds GRPO task loss
-    distill_weight: float = Field(1.0, ge=0)  # λ in total = task loss + λ·distillation
+    clip_low: float = Field(LossConfig.clip_low, ge=0)
+    clip_high: float = Field(LossConfig.clip_high, ge=0)
+    # truncated IS weight min(exp(s - s_behavior), c)
+    importance_cap: float | None = Field(LossConfig.importance_cap, gt=0)
+    # 0 = pure distillation; >0 adds GRPO task loss
+    task_reward_weight: float = Field(LossConfig.task_reward_weight, ge=0)
+    distill_weight: float = Field(LossConfig.distill_weight, ge=0)  # λ in total = task loss + λ·distillation
     activation_checkpointing: bool = False
     mixed_precision: Literal["auto", "off", "bf16"] = "auto"
     device: str = "auto"

@@ -63,7 +63,7 @@ class LossConfig:
     tail: str = "bucket"  # top-k divergences: bucket | renorm | none
     beta: float = 0.5  # jsd: m = beta*p + (1-beta)*q
     policy_gradient: bool = False  # with divergence "k1": policy-gradient OPD (the same as "pg")
-    # PPO clip range of policy-gradient OPD and of the GRPO task loss; 0.28 above is DAPO's "clip-higher"
+    # PPO clip range of policy-gradient OPD and of the GRPO task loss (clip_high > clip_low: DAPO's "clip-higher")
     clip_low: float = 0.2
     clip_high: float = 0.28
     importance_cap: float | None = None  # truncated importance weight min(exp(s - s_behavior), c)

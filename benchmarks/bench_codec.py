@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from opd_cache import codec
-from opd_cache.losses import token_losses
+from opd_cache.losses import LossConfig, token_losses
 from opd_cache.models import load_causal_lm
 from opd_cache.schema import annotated_table, flat_values
 from opd_cache.tokenizer import load_tokenizer
@@ -99,8 +99,9 @@ def best_seconds(fn, rounds: int) -> float:
 def loss_errors(student_logits, ids, ref_lp, got_lp) -> dict:
     out = {}
     for divergence in ("forward_kl", "reverse_kl", "jsd"):
-        ref = token_losses(student_logits, ids, ref_lp, divergence=divergence, tail="bucket").double()
-        got = token_losses(student_logits, ids, got_lp, divergence=divergence, tail="bucket").double()
+        config = LossConfig(divergence=divergence, tail="bucket")
+        ref = token_losses(student_logits, ids, ref_lp, config).double()
+        got = token_losses(student_logits, ids, got_lp, config).double()
         out[divergence] = {
             "mean_loss": ref.mean().item(),
             "mean_error": (got.mean() - ref.mean()).abs().item(),

@@ -91,7 +91,7 @@ def current_rss_kb() -> int:
 def run_variant(variant: str, n: int, vocab: int, hidden: int, chunk_size: int, repeats: int, threads: int) -> dict:
     import torch
 
-    from opd_cache.losses import fused_token_losses, token_losses
+    from opd_cache.losses import LossConfig, fused_token_losses, token_losses
 
     if threads:
         torch.set_num_threads(threads)
@@ -102,7 +102,7 @@ def run_variant(variant: str, n: int, vocab: int, hidden: int, chunk_size: int, 
         elif variant == "materialised":
             loss = (weights * token_losses(h @ w.t(), ids, logprobs)).sum()
         else:
-            loss, _ = fused_token_losses(h, w, ids, logprobs, token_weights=weights, chunk_size=chunk_size)
+            loss, _ = fused_token_losses(h, w, ids, logprobs, weights, LossConfig(chunk_size=chunk_size))
         loss.backward()
         return loss.detach()
 

@@ -126,8 +126,9 @@ def bench_reader(store: Store, *, batch_samples: int, ranks: int, micro_tokens: 
 
 def bench_steps(store: Store, *, steps: int, batch_samples: int, micro_tokens: int, vocab: int, rounds: int) -> dict:
     """Median step time with batches preloaded in memory vs streamed through the prefetch thread."""
+    from opd_cache.losses import LossConfig
     from opd_cache.models import build_tiny_model
-    from opd_cache.train.objective import DistillationObjective, LossOptions
+    from opd_cache.train.objective import DistillationObjective
 
     def loader():
         stream, cache = stream_of(store, batch_samples)
@@ -145,7 +146,7 @@ def bench_steps(store: Store, *, steps: int, batch_samples: int, micro_tokens: i
 
     def train(next_step) -> list[float]:
         model = build_tiny_model(vocab_size=vocab, hidden_size=128, num_layers=2, intermediate_size=512, seed=0)
-        objective = DistillationObjective(model, LossOptions(chunk_size=1024)).train()
+        objective = DistillationObjective(model, LossConfig(chunk_size=1024)).train()
         optimizer = torch.optim.AdamW(objective.parameters(), lr=1e-4)
         times = []
         for _ in range(steps):

@@ -21,7 +21,7 @@ import torch
 from opd_cache import codec, schema
 from opd_cache.annotate import annotate
 from opd_cache.config import AnnotateConfig
-from opd_cache.losses import token_losses
+from opd_cache.losses import LossConfig, token_losses
 from opd_cache.models import build_tiny_model, load_causal_lm
 from opd_cache.schema import ANNOTATED, ShardError, ShardMeta, annotated_table, read_shard, write_shard
 from opd_cache.store import make_shard_id
@@ -229,15 +229,13 @@ def assert_losses_match(student_logits: torch.Tensor, topk_ids: np.ndarray, topk
             student_logits,
             torch.from_numpy(topk_ids),
             torch.from_numpy(topk_lp.astype(np.float32)),
-            divergence=divergence,
-            tail="bucket",
+            LossConfig(divergence=divergence, tail="bucket"),
         ).double()
         got = token_losses(
             student_logits,
             torch.from_numpy(packed_ids),
             torch.from_numpy(packed_lp),
-            divergence=divergence,
-            tail="bucket",
+            LossConfig(divergence=divergence, tail="bucket"),
         ).double()
         mean_error = (got.mean() - ref.mean()).abs().item()
         relative = mean_error / ref.mean().item()

@@ -4,6 +4,7 @@ untied output layers, chunk sizes, N = 0, token weights, FSDP2, and its errors."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd_cache.losses import aggregation_weights, fused_token_losses, token_losses
+from opd_cache.losses import LossConfig, aggregation_weights, fused_token_losses, token_losses
 
 REPO = Path(__file__).resolve().parents[1]
 N, V, H, K = 12, 37, 8, 5
@@ -42,20 +43,27 @@ MODES = {
 
 
 def make_options(mode: str, n: int = N, vocab: int = V, seed: int = 0) -> dict:
-    """Teacher-side inputs for `mode` (all tensors), plus the mode's options."""
+    """Teacher-side inputs for `mode` (all tensors), plus the mode's `config` (a LossConfig)."""
     options = dict(MODES[mode])
+    full, union = options.pop("full", False), options.pop("union", False)
+    options = dict(config=LossConfig(**options))
     g = torch.Generator().manual_seed(seed)
     teacher = (torch.randn(n, vocab, generator=g) * 2).log_softmax(-1)
-    k = vocab if options.pop("full", False) else K
+    k = vocab if full else K
     values, ids = teacher.topk(k, dim=1)
     options.update(teacher_topk_ids=ids, teacher_topk_logprobs=values)
-    if options.pop("union", False):
+    if union:
         extra = torch.cat([ids[:, 1:3], torch.randint(0, vocab, (n, 3), generator=g)], 1)
         options.update(support_ids=extra, support_teacher_logprobs=teacher.gather(1, extra))
     sampled = torch.randint(0, vocab, (n,), generator=g)
     options.update(sampled_ids=sampled, teacher_token_logprobs=teacher.gather(1, sampled[:, None]).squeeze(1))
     options.update(behavior_logprobs=-2.0 + 0.5 * torch.randn(n, generator=g))
     return options
+
+
+def chunked(options: dict, chunk_size: int) -> dict:
+    """`options` with its config's chunk_size set."""
+    return {**options, "config": dataclasses.replace(options["config"], chunk_size=chunk_size)}
 
 
 def untied_problem(n=N, seed=0):
@@ -82,7 +90,7 @@ def test_fused_equals_materialised_untied(mode):
     ref_loss, ref_per_token = reference(hidden, weight, weights, options)
     ref_grads = torch.autograd.grad(ref_loss, [hidden, weight])
     for chunk in CHUNKS:
-        loss, per_token = fused_token_losses(hidden, weight, token_weights=weights, chunk_size=chunk, **options)
+        loss, per_token = fused_token_losses(hidden, weight, token_weights=weights, **chunked(options, chunk))
         grads = torch.autograd.grad(loss, [hidden, weight])
         close(loss, ref_loss)
         close(per_token, ref_per_token.detach())
@@ -107,7 +115,7 @@ def test_fused_equals_materialised_tied_embeddings(mode):
     ref_loss, _ = reference(hidden_states(), embedding, weights, options)
     ref_grads = torch.autograd.grad(ref_loss, [embedding, mix])
     for chunk in CHUNKS:
-        loss, _ = fused_token_losses(hidden_states(), embedding, token_weights=weights, chunk_size=chunk, **options)
+        loss, _ = fused_token_losses(hidden_states(), embedding, token_weights=weights, **chunked(options, chunk))
         grads = torch.autograd.grad(loss, [embedding, mix])
         close(loss, ref_loss)
         close(grads[0], ref_grads[0])
@@ -118,7 +126,7 @@ def test_fused_equals_materialised_tied_embeddings(mode):
 def test_no_tokens(mode):
     options = make_options(mode, n=0)
     hidden, weight, _ = untied_problem(n=0)
-    loss, per_token = fused_token_losses(hidden, weight, chunk_size=4, **options)
+    loss, per_token = fused_token_losses(hidden, weight, **chunked(options, 4))
     loss.backward()
     assert loss.item() == 0.0 and per_token.shape == (0,)
     assert hidden.grad.shape == (0, H)
@@ -128,7 +136,7 @@ def test_no_tokens(mode):
 def test_default_weights_are_ones_and_grad_output_scales():
     options = make_options("reverse_kl-bucket")
     hidden, weight, _ = untied_problem()
-    loss, per_token = fused_token_losses(hidden, weight, chunk_size=5, **options)
+    loss, per_token = fused_token_losses(hidden, weight, **chunked(options, 5))
     close(loss, per_token.sum())
     (3.0 * loss).backward()
     ref_loss, _ = reference(hidden, weight, torch.ones(N), options)
@@ -140,7 +148,7 @@ def test_default_weights_are_ones_and_grad_output_scales():
 def test_loss_combines_with_other_terms_in_one_graph():
     options = make_options("jsd-bucket")
     hidden, weight, weights = untied_problem()
-    fused, _ = fused_token_losses(hidden, weight, token_weights=weights, chunk_size=5, **options)
+    fused, _ = fused_token_losses(hidden, weight, token_weights=weights, **chunked(options, 5))
     (fused + hidden.square().sum() + 2.0 * weight.sum()).backward()
     ref_loss, _ = reference(hidden, weight, weights, options)
     ref = torch.autograd.grad(ref_loss + hidden.square().sum() + 2.0 * weight.sum(), [hidden, weight])
@@ -164,7 +172,7 @@ def test_works_under_no_grad():
     options = make_options("k2")
     hidden, weight, weights = untied_problem()
     with torch.no_grad():
-        loss, per_token = fused_token_losses(hidden, weight, token_weights=weights, chunk_size=5, **options)
+        loss, per_token = fused_token_losses(hidden, weight, token_weights=weights, **chunked(options, 5))
     assert not loss.requires_grad
     ref_loss, ref_per_token = reference(hidden, weight, weights, options)
     close(loss, ref_loss.detach())
@@ -185,7 +193,7 @@ def test_low_precision_inputs_compute_in_float32():
     hidden, weight, weights = untied_problem()
     h16 = hidden.detach().bfloat16().requires_grad_()
     w16 = weight.detach().bfloat16().requires_grad_()
-    loss, per_token = fused_token_losses(h16, w16, token_weights=weights, chunk_size=5, **options)
+    loss, per_token = fused_token_losses(h16, w16, token_weights=weights, **chunked(options, 5))
     loss.backward()
     h32, w32 = h16.detach().float().requires_grad_(), w16.detach().float().requires_grad_()
     ref_loss, ref_per_token = reference(h32, w32, weights, options)
@@ -203,7 +211,7 @@ def test_diagnostics_match_token_losses_over_weighted_tokens():
     hidden, weight, weights = untied_problem()
     weights[3] = 0.0  # a padding token: not in the diagnostics
     _, _, diag = fused_token_losses(
-        hidden, weight, token_weights=weights, chunk_size=5, return_diagnostics=True, **options
+        hidden, weight, token_weights=weights, return_diagnostics=True, **chunked(options, 5)
     )
     rows = weights != 0
     selected = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in options.items()}
@@ -250,9 +258,12 @@ def test_bad_input_raises_a_clear_error():
         (dict(teacher_topk_ids=options["teacher_topk_ids"] + V), r"teacher_topk_ids has ids outside \[0, V=37\)"),
     ]
     base = dict(hidden=hidden, lm_head_weight=weight, token_weights=weights, **options)
+    option_names = {f.name for f in dataclasses.fields(LossConfig)}
     for overrides, message in cases:
-        with pytest.raises(ValueError, match=message):
-            fused_token_losses(**{**base, **overrides})
+        tensors = {k: v for k, v in overrides.items() if k not in option_names}
+        loss_options = {k: v for k, v in overrides.items() if k in option_names}
+        with pytest.raises(ValueError, match=message):  # a bad loss option fails where its LossConfig is built
+            fused_token_losses(**{**base, **tensors, "config": dataclasses.replace(base["config"], **loss_options)})
 
 
 # --- FSDP2: the documented recipe (loss inside the forward of the module that owns the output layer) ---
@@ -277,7 +288,7 @@ class TiedStudent(torch.nn.Module):
         # inside the forward FSDP2 has unsharded this module's parameters: lm_head.weight is a plain tensor
         hidden = self.hidden(ids)
         return fused_token_losses(
-            hidden, self.lm_head.weight, teacher_ids, teacher_logprobs, token_weights, chunk_size=3
+            hidden, self.lm_head.weight, teacher_ids, teacher_logprobs, token_weights, LossConfig(chunk_size=3)
         )[0]
 
 

@@ -4,6 +4,7 @@ aggregation across micro-batches, diagnostics and every error message."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from opd_cache.losses import (
     LOSSES,
     P_TAIL_MIN,
     TAILS,
+    LossConfig,
     aggregate,
     aggregation_weights,
     pg_loss,
@@ -89,6 +91,14 @@ def grad_of(loss_fn, logits):
     return value
 
 
+def split_options(kwargs: dict) -> tuple[LossConfig, dict]:
+    """(LossConfig of the option keys, the remaining keyword arguments: the tensors)."""
+    names = {f.name for f in dataclasses.fields(LossConfig)}
+    return LossConfig(**{k: v for k, v in kwargs.items() if k in names}), {
+        k: v for k, v in kwargs.items() if k not in names
+    }
+
+
 # --- exactness against the full-vocabulary divergence (k = V) ---
 
 
@@ -100,10 +110,10 @@ def test_full_support_bucket_equals_full_vocabulary_divergence(divergence, beta)
     n, vocab = 6, 23
     teacher_lp, ids, values = teacher_topk(n, vocab, vocab)
     logits = student(n, vocab)
-    ours = token_losses(logits, ids, values, divergence=divergence, tail="bucket", beta=beta)
+    ours = token_losses(logits, ids, values, LossConfig(divergence=divergence, tail="bucket", beta=beta))
     ref = full_divergence(logits.double().log_softmax(-1), teacher_lp, divergence, beta)
     torch.testing.assert_close(ours.double(), ref, atol=1e-5, rtol=0)
-    g_ours = grad_of(lambda x: token_losses(x, ids, values, divergence=divergence, beta=beta), logits)
+    g_ours = grad_of(lambda x: token_losses(x, ids, values, LossConfig(divergence=divergence, beta=beta)), logits)
     g_ref = grad_of(lambda x: full_divergence(x.double().log_softmax(-1), teacher_lp, divergence, beta), logits)
     torch.testing.assert_close(g_ours, g_ref.float(), atol=1e-5, rtol=0)
 
@@ -113,7 +123,7 @@ def test_full_support_other_tails_equal_full_forward_kl(tail):
     n, vocab = 5, 17
     teacher_lp, ids, values = teacher_topk(n, vocab, vocab, seed=3)
     logits = student(n, vocab, seed=4)
-    ours = token_losses(logits, ids, values, divergence="forward_kl", tail=tail)
+    ours = token_losses(logits, ids, values, LossConfig(divergence="forward_kl", tail=tail))
     ref = full_divergence(logits.double().log_softmax(-1), teacher_lp, "forward_kl", 0.5)
     torch.testing.assert_close(ours.double(), ref, atol=1e-5, rtol=0)
 
@@ -122,10 +132,10 @@ def test_jsd_endpoints_follow_trl_convention():
     n, vocab, k = 4, 30, 6
     _, ids, values = teacher_topk(n, vocab, k)
     logits = student(n, vocab)
-    fkl = token_losses(logits, ids, values, divergence="forward_kl")
-    rkl = token_losses(logits, ids, values, divergence="reverse_kl")
-    torch.testing.assert_close(token_losses(logits, ids, values, divergence="jsd", beta=0.0), fkl)
-    torch.testing.assert_close(token_losses(logits, ids, values, divergence="jsd", beta=1.0), rkl)
+    fkl = token_losses(logits, ids, values, LossConfig(divergence="forward_kl"))
+    rkl = token_losses(logits, ids, values, LossConfig(divergence="reverse_kl"))
+    torch.testing.assert_close(token_losses(logits, ids, values, LossConfig(divergence="jsd", beta=0.0)), fkl)
+    torch.testing.assert_close(token_losses(logits, ids, values, LossConfig(divergence="jsd", beta=1.0)), rkl)
 
 
 # --- exactness of the top-k tails against the naive row-by-row construction ---
@@ -149,7 +159,7 @@ def test_topk_tails_match_naive(divergence, tail, beta):
     logits = student(n, vocab, seed=6, scale=3.0)
 
     def ours(x):
-        return token_losses(x, ids, values, divergence=divergence, tail=tail, beta=beta)
+        return token_losses(x, ids, values, LossConfig(divergence=divergence, tail=tail, beta=beta))
 
     def ref(x):
         return naive_bucket(x, ids, values, divergence, beta, tail)
@@ -166,15 +176,13 @@ def test_union_support_counts_duplicates_once(divergence, tail):
     # the student's top-k overlaps the teacher's top-k on some ids
     extra_ids = torch.cat([ids[:, :2], logits.detach().topk(k_s - 2).indices], 1)
     extra_lp = teacher_lp.gather(1, extra_ids).float()
-    options = dict(divergence=divergence, tail=tail)
-    ours = token_losses(logits, ids, values, **options, support_ids=extra_ids, support_teacher_logprobs=extra_lp)
+    config = LossConfig(divergence=divergence, tail=tail)
+    ours = token_losses(logits, ids, values, config, support_ids=extra_ids, support_teacher_logprobs=extra_lp)
     ref = naive_bucket(logits, torch.cat([ids, extra_ids], 1), torch.cat([values, extra_lp], 1), divergence, 0.5, tail)
     torch.testing.assert_close(ours.double(), ref, atol=1e-5, rtol=1e-5)
     # an extra support made only of duplicates changes nothing
-    same = token_losses(
-        logits, ids, values, **options, support_ids=ids.flip(1), support_teacher_logprobs=values.flip(1)
-    )
-    torch.testing.assert_close(same, token_losses(logits, ids, values, **options))
+    same = token_losses(logits, ids, values, config, support_ids=ids.flip(1), support_teacher_logprobs=values.flip(1))
+    torch.testing.assert_close(same, token_losses(logits, ids, values, config))
 
 
 def test_union_covering_the_vocabulary_drops_the_tail():
@@ -196,7 +204,7 @@ def test_tail_is_stable_when_the_support_holds_almost_all_student_mass():
     logits[0, :3] = torch.tensor([10.0, 9.0, 8.0])  # q_tail ~ 1e-21: 1 - sum(q_S) rounds to 0
     ids = torch.arange(3)[None]
     values = torch.log(torch.tensor([[0.5, 0.3, 0.1]]))  # p_tail = 0.1
-    ours = token_losses(logits.requires_grad_(), ids, values, divergence="forward_kl")
+    ours = token_losses(logits.requires_grad_(), ids, values, LossConfig(divergence="forward_kl"))
     ref = naive_bucket(logits, ids, values, "forward_kl")
     assert torch.isfinite(ours).all()
     torch.testing.assert_close(ours.double(), ref, rtol=1e-6, atol=0)
@@ -231,11 +239,11 @@ def test_sampled_estimators_match_formulas_and_verl_clamps():
     for name, ref in refs.items():
 
         def ours(x, name=name):
-            return token_losses(x, divergence=name, sampled_ids=sampled, teacher_token_logprobs=t)
+            return token_losses(x, config=LossConfig(divergence=name), sampled_ids=sampled, teacher_token_logprobs=t)
 
         torch.testing.assert_close(ours(logits), ref(logits), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(grad_of(ours, logits), grad_of(ref, logits), atol=1e-5, rtol=1e-5)
-    k3 = token_losses(logits, divergence="k3", sampled_ids=sampled, teacher_token_logprobs=t)
+    k3 = token_losses(logits, config=LossConfig(divergence="k3"), sampled_ids=sampled, teacher_token_logprobs=t)
     assert k3[1].item() == 10.0
 
 
@@ -282,7 +290,8 @@ def test_pg_loss_truncated_importance_weight():
     loss = pg_loss(s, s_b, t, importance_cap=2.0, proximal_logprobs=prox)
     ratio = torch.exp(s.detach() - prox)
     w = torch.exp(prox - s_b).clamp(max=2.0)
-    expected = w * torch.maximum(-reward * ratio, -reward * ratio.clamp(0.8, 1.2))
+    # the default clip range, LossConfig's (clip_low, clip_high) = (0.2, 0.28)
+    expected = w * torch.maximum(-reward * ratio, -reward * ratio.clamp(0.8, 1.28))
     torch.testing.assert_close(loss, expected)
 
 
@@ -302,11 +311,11 @@ def test_token_losses_policy_gradient_matches_pg_loss(importance_cap):
         return pg_loss(s, behavior, t, clip_low=0.2, clip_high=0.28, importance_cap=importance_cap)
 
     kwargs = dict(sampled_ids=sampled, teacher_token_logprobs=t, behavior_logprobs=behavior)
-    kwargs.update(clip_high=0.28, importance_cap=importance_cap)
+    clip = dict(clip_high=0.28, importance_cap=importance_cap)
     for options in ({"divergence": "pg"}, {"divergence": "k1", "policy_gradient": True}):
 
         def ours(x, options=options):
-            return token_losses(x, **options, **kwargs)
+            return token_losses(x, config=LossConfig(**options, **clip), **kwargs)
 
         torch.testing.assert_close(ours(logits), ref(logits), atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(grad_of(ours, logits), grad_of(ref, logits), atol=1e-6, rtol=1e-6)
@@ -344,7 +353,8 @@ def test_gradcheck_float64(options):
     sampled = torch.tensor([1, 4, 7])
     options.update(sampled_ids=sampled, teacher_token_logprobs=teacher_lp.gather(1, sampled[:, None]).squeeze(1))
     options.update(behavior_logprobs=torch.tensor([-2.0, -2.5, -1.9], dtype=torch.float64))
-    assert torch.autograd.gradcheck(lambda x: token_losses(x, ids, values, **options), (logits,))
+    config, tensors = split_options(options)
+    assert torch.autograd.gradcheck(lambda x: token_losses(x, ids, values, config, **tensors), (logits,))
 
 
 def test_low_precision_logits_are_computed_in_float32():
@@ -383,7 +393,7 @@ def test_bucket_divergences_are_non_negative(problem, divergence, beta, tail, ha
     _, ids, values, logits = problem
     if half:  # float16 log-probs: the teacher's tail mass may round below zero and be clamped
         values = values.half()
-    out = token_losses(logits, ids, values, divergence=divergence, tail=tail, beta=beta)
+    out = token_losses(logits, ids, values, LossConfig(divergence=divergence, tail=tail, beta=beta))
     assert torch.isfinite(out).all()
     assert (out >= 0).all(), out  # exactly, without any clamp
 
@@ -395,7 +405,7 @@ def test_zero_when_student_equals_teacher(problem, divergence, beta, tail, shift
     if tail == "none" and divergence != "forward_kl":
         return
     logits = teacher_lp.float() + shift  # the same distribution, any logit offset
-    out = token_losses(logits, ids, values, divergence=divergence, tail=tail, beta=beta)
+    out = token_losses(logits, ids, values, LossConfig(divergence=divergence, tail=tail, beta=beta))
     assert out.abs().max().item() < 1e-5
 
 
@@ -406,8 +416,9 @@ def test_invariant_to_permuting_the_support(problem, divergence, tail, seed):
     if tail == "none" and divergence != "forward_kl":
         return
     perm = torch.randperm(ids.shape[1], generator=torch.Generator().manual_seed(seed))
-    a = token_losses(logits, ids, values, divergence=divergence, tail=tail)
-    b = token_losses(logits, ids[:, perm], values[:, perm], divergence=divergence, tail=tail)
+    config = LossConfig(divergence=divergence, tail=tail)
+    a = token_losses(logits, ids, values, config)
+    b = token_losses(logits, ids[:, perm], values[:, perm], config)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -419,7 +430,8 @@ def test_forward_kl_bucket_is_monotone_in_k(problem):
     values, ids = teacher_lp.topk(vocab, dim=1)
     # a teacher whose tail rounds to nothing gets a clamped p_tail; keep honest tails here
     losses = [
-        token_losses(logits.double(), ids[:, :k], values[:, :k], divergence="forward_kl") for k in range(1, vocab + 1)
+        token_losses(logits.double(), ids[:, :k], values[:, :k], LossConfig(divergence="forward_kl"))
+        for k in range(1, vocab + 1)
     ]
     full = full_divergence(logits.double().log_softmax(-1), teacher_lp, "forward_kl", 0.5)
     tail_ok = (1 - values.exp().cumsum(1)) > 10 * P_TAIL_MIN
@@ -583,7 +595,47 @@ def test_bad_input_raises_a_clear_error(index):
     cases, base = error_cases()
     overrides, message = cases[index]
     with pytest.raises(ValueError, match=message):
-        token_losses(**{**base, **overrides})
+        config, tensors = split_options({**base, **overrides})
+        token_losses(**tensors, config=config)
+
+
+def test_loss_config_errors():
+    cases = [
+        (dict(chunk_size=0), "chunk_size=0 must be a positive int"),
+        (dict(aggregation="mean"), "unknown aggregation mode 'mean'; expected one of"),
+        (dict(distill_weight=-1.0), "distill_weight=-1.0 must be >= 0"),
+        (dict(importance_cap=-1.0), "importance_cap=-1.0 must be > 0"),
+        # the clip range is checked whenever it is used: policy-gradient OPD or the GRPO task loss
+        (dict(task_reward_weight=1.0, clip_low=1.0), r"clip_low=1.0 must be in \[0, 1\)"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            LossConfig(**options)
+    LossConfig(clip_low=1.0)  # forward KL without a task loss never clips
+    n, vocab = 2, 5
+    with pytest.raises(TypeError, match="config must be a LossConfig, got str 'jsd'"):
+        token_losses(torch.zeros(n, vocab), torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1), "jsd")
+
+
+def test_loss_config_pg_is_k1_with_policy_gradient():
+    pg = LossConfig(divergence="pg", clip_high=0.3)
+    assert pg == LossConfig(divergence="k1", policy_gradient=True, clip_high=0.3)
+    assert (pg.divergence, pg.policy_gradient, pg.kind) == ("k1", True, "sampled")
+    assert LossConfig().kind == "topk"
+
+
+def test_loss_config_from_train_config_takes_every_loss_key():
+    from opd_cache.config import TrainConfig
+
+    assert LossConfig.from_train_config(TrainConfig()) == LossConfig()
+    assert TrainConfig().clip_high == LossConfig().clip_high == 0.28  # the one default users have always run
+    keys = dict(tail="renorm", beta=0.3, aggregation="seq-mean-token-sum", chunk_size=7, clip_low=0.1,
+                clip_high=0.4, importance_cap=2.0, distill_weight=0.5, task_reward_weight=1.5)  # fmt: skip
+    config = LossConfig.from_train_config(TrainConfig(loss="jsd", **keys))
+    assert config == LossConfig(divergence="jsd", **keys)
+    # every option but the "pg" spelling's flag comes from a train key
+    assert {f.name for f in dataclasses.fields(LossConfig)} == {"divergence", "policy_gradient", *keys}
+    assert LossConfig.from_train_config(TrainConfig(loss="pg")) == LossConfig(divergence="pg")
 
 
 def test_pg_loss_and_aggregation_errors():

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from opd_cache.cli import app
 from opd_cache.config import load_config
-from opd_cache.losses import pg_loss, token_losses
+from opd_cache.losses import LossConfig, pg_loss, token_losses
 from opd_cache.models import build_tiny_model, load_causal_lm
 from opd_cache.store import Store, make_shard_id
 from opd_cache.testing import response_logprobs, write_synthetic_shard
@@ -27,7 +27,7 @@ from opd_cache.tokenizer import tokenizer_fingerprint
 from opd_cache.train import train
 from opd_cache.train.checkpoint import complete_states, read_ledger, verify_ledger
 from opd_cache.train.microbatch import MicroBatch
-from opd_cache.train.objective import DistillationObjective, LossOptions
+from opd_cache.train.objective import DistillationObjective
 from opd_cache.train.shard_data import ShardCache
 from opd_cache.train.stream import ShardStream
 from opd_cache.train.task_reward import score_batch
@@ -377,7 +377,7 @@ def test_objective_applies_truncated_importance_weights(tokenizer):
     logits = _student_logits(model, mb)
     s = torch.log_softmax(logits, -1).gather(1, mb.sampled_ids[:, None]).squeeze(1)
     mb.behavior_logprobs = s.detach() + torch.linspace(-1.0, 1.0, len(s))  # ratios exp(s - b) from e^-1 to e
-    loss, _, _ = DistillationObjective(model, LossOptions(importance_cap=1.5))(mb)
+    loss, _, _ = DistillationObjective(model, LossConfig(importance_cap=1.5))(mb)
     weight = torch.exp(s - mb.behavior_logprobs).clamp(max=1.5).detach()
     assert (weight < 1.5).any() and (weight == 1.5).any()  # both sides of the cap are exercised
     per_token = token_losses(logits, mb.teacher_topk_ids, mb.teacher_topk_logprobs)
@@ -387,7 +387,7 @@ def test_objective_applies_truncated_importance_weights(tokenizer):
 def test_objective_adds_the_grpo_task_loss(tokenizer):
     model = build_tiny_model(vocab_size=len(tokenizer), seed=3)
     mb = _micro_batch(model, tokenizer, np.random.default_rng(1))
-    options = LossOptions(distill_weight=0.5, task_reward_weight=2.0, clip_low=0.2, clip_high=0.28)
+    options = LossConfig(distill_weight=0.5, task_reward_weight=2.0, clip_low=0.2, clip_high=0.28)
     loss, _, diag = DistillationObjective(model, options)(mb)
     logits = _student_logits(model, mb)
     s = torch.log_softmax(logits, -1).gather(1, mb.sampled_ids[:, None]).squeeze(1)
@@ -404,7 +404,7 @@ def test_activation_checkpointing_gives_the_same_gradients(tokenizer):
         model = build_tiny_model(vocab_size=len(tokenizer), seed=4)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        objective = DistillationObjective(model, LossOptions()).train()
+        objective = DistillationObjective(model, LossConfig()).train()
         loss, _, _ = objective(_micro_batch(model, tokenizer, np.random.default_rng(2)))
         loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})

@@ -10,6 +10,9 @@ tensor and never the [tokens, V] logits. It computes the weight's gradient in
 the forward and hands it to autograd in backward, where FSDP2 reduce-scatters
 it with the others.
 
+The options are one `LossConfig` (opd_cache/losses/config.py), built by the
+trainer from its `TrainConfig` (`LossConfig.from_train_config`).
+
 Loss = distill_weight · distillation + task_reward_weight · task, each a sum of
 token_weights × per-token loss over the global batch (token_weights carry the
 aggregation, e.g. 1 / global response tokens for token-mean):
@@ -27,32 +30,13 @@ aggregation, e.g. 1 / global response tokens for token-mean):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 from torch import nn
 
-from opd_cache.losses import LOSSES, POLICY_GRADIENT, fused_token_losses
+from opd_cache.losses import POLICY_GRADIENT, LossConfig, fused_token_losses
 from opd_cache.train.microbatch import MicroBatch
-
-
-@dataclass(frozen=True)
-class LossOptions:
-    divergence: str = "forward_kl"
-    tail: str = "bucket"
-    beta: float = 0.5
-    chunk_size: int = 1024
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    importance_cap: float | None = None
-    distill_weight: float = 1.0
-    task_reward_weight: float = 0.0
-
-    @property
-    def kind(self) -> str:
-        if self.divergence == POLICY_GRADIENT:  # "pg": policy-gradient OPD on the sampled token
-            return "sampled"
-        return LOSSES[self.divergence].kind
 
 
 @torch.no_grad()
@@ -73,10 +57,12 @@ def sampled_token_logprobs(
 class DistillationObjective(nn.Module):
     """forward(micro_batch) -> (loss, per-token distillation loss, diagnostics)."""
 
-    def __init__(self, model: nn.Module, options: LossOptions):
+    def __init__(self, model: nn.Module, config: LossConfig):
         super().__init__()
         self.model = model  # a transformers causal LM
-        self.options = options
+        self.config = config
+        # The GRPO task loss is policy-gradient OPD with the same clip range and importance cap.
+        self.task_config = replace(config, divergence=POLICY_GRADIENT) if config.task_reward_weight > 0 else None
 
     def forward(self, mb: MicroBatch):
         out = self.model.base_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
@@ -87,45 +73,35 @@ class DistillationObjective(nn.Module):
             return self._losses(hidden, weight, mb)
 
     def _losses(self, hidden: torch.Tensor, weight: torch.Tensor, mb: MicroBatch):
-        opts = self.options
-        token_weights = mb.token_weights * opts.distill_weight
-        if opts.importance_cap is not None and opts.kind == "topk":
-            s = sampled_token_logprobs(hidden.detach(), weight.detach(), mb.sampled_ids, opts.chunk_size)
-            token_weights = token_weights * torch.exp(s - mb.behavior_logprobs).clamp(max=opts.importance_cap)
+        config = self.config
+        token_weights = mb.token_weights * config.distill_weight
+        if config.importance_cap is not None and config.kind == "topk":  # "pg" applies its own
+            s = sampled_token_logprobs(hidden.detach(), weight.detach(), mb.sampled_ids, config.chunk_size)
+            token_weights = token_weights * torch.exp(s - mb.behavior_logprobs).clamp(max=config.importance_cap)
         loss, per_token, diagnostics = fused_token_losses(
             hidden,
             weight,
             mb.teacher_topk_ids,
             mb.teacher_topk_logprobs,
-            token_weights=token_weights,
-            chunk_size=opts.chunk_size,
-            divergence=opts.divergence,
-            tail=opts.tail,
-            beta=opts.beta,
+            token_weights,
+            config,
             sampled_ids=mb.sampled_ids,
             teacher_token_logprobs=mb.teacher_token_logprobs,
             support_ids=mb.support_ids,
             support_teacher_logprobs=mb.support_logprobs,
-            behavior_logprobs=mb.behavior_logprobs if opts.divergence == POLICY_GRADIENT else None,
-            clip_low=opts.clip_low,
-            clip_high=opts.clip_high,
-            importance_cap=opts.importance_cap if opts.divergence == POLICY_GRADIENT else None,
+            behavior_logprobs=mb.behavior_logprobs if config.policy_gradient else None,
             return_diagnostics=True,
         )
         diagnostics = dict(diagnostics)
-        if opts.task_reward_weight > 0:
+        if self.task_config is not None:
             task_loss, task_per_token = fused_token_losses(
                 hidden,
                 weight,
-                token_weights=mb.token_weights * opts.task_reward_weight,
-                chunk_size=opts.chunk_size,
-                divergence=POLICY_GRADIENT,
+                token_weights=mb.token_weights * config.task_reward_weight,
+                config=self.task_config,
                 sampled_ids=mb.sampled_ids,
                 teacher_token_logprobs=mb.advantages + mb.behavior_logprobs,
                 behavior_logprobs=mb.behavior_logprobs,
-                clip_low=opts.clip_low,
-                clip_high=opts.clip_high,
-                importance_cap=opts.importance_cap,
             )
             diagnostics["task_loss"] = task_loss.detach()
             diagnostics["distill_loss"] = loss.detach()

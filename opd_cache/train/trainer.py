@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from opd_cache.config import Config, TrainConfig
 from opd_cache.engine import resolve_device
-from opd_cache.losses import LOSSES, POLICY_GRADIENT, token_losses
+from opd_cache.losses import LOSSES, POLICY_GRADIENT, LossConfig
 from opd_cache.metrics import MetricsLog
 from opd_cache.store import RUN_JSON, RunManifest, Store
 from opd_cache.tracking import Tracker, check_trackers, train_metrics
@@ -54,7 +54,7 @@ from opd_cache.train.checkpoint import (
     write_progress,
 )
 from opd_cache.train.loader import BatchLoader, LoadedStep
-from opd_cache.train.objective import DistillationObjective, LossOptions
+from opd_cache.train.objective import DistillationObjective
 from opd_cache.train.shard_data import ShardCache, required_teachers
 from opd_cache.train.stream import ShardStream, StreamCursor, StreamEnd
 
@@ -114,8 +114,8 @@ def init_distributed(device_name: str = "auto") -> DistEnv:
 
 
 # ---------------------------------------------------------------------- 2. bad input
-def check_inputs(cfg: TrainConfig, run: RunManifest, world_size: int) -> None:
-    """Refuse what cannot work, before loading anything big."""
+def check_inputs(cfg: TrainConfig, run: RunManifest, world_size: int) -> LossConfig:
+    """Refuse what cannot work, before loading anything big; returns the validated loss options."""
     if cfg.loss not in LOSSES and cfg.loss != POLICY_GRADIENT:
         raise ValueError(f"--loss {cfg.loss!r} is not a loss; use one of {', '.join([*LOSSES, POLICY_GRADIENT])}")
     if cfg.max_staleness < 0:
@@ -132,23 +132,9 @@ def check_inputs(cfg: TrainConfig, run: RunManifest, world_size: int) -> None:
             "--support union needs the student's top-k ids in the rollout shards (student_topk_ids), "
             "but run.json has no student_topk: roll out with rollout.student_topk > 0 or use --support teacher"
         )
-    # Let the losses module check the option combination on an empty batch (k1 without PG, tail none + jsd, ...).
-    k = 2
+    # LossConfig checks the option combination (k1 without PG, tail none + jsd, a clip range, ...).
     try:
-        token_losses(
-            torch.zeros(0, k + 1),
-            torch.zeros(0, k, dtype=torch.long),
-            torch.zeros(0, k),
-            divergence=cfg.loss,
-            tail=cfg.tail,
-            beta=cfg.beta,
-            sampled_ids=torch.zeros(0, dtype=torch.long),
-            teacher_token_logprobs=torch.zeros(0),
-            behavior_logprobs=torch.zeros(0),
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            importance_cap=cfg.importance_cap if cfg.loss == POLICY_GRADIENT else None,
-        )
+        return LossConfig.from_train_config(cfg)
     except ValueError as e:
         raise ValueError(f"--loss {cfg.loss} --tail {cfg.tail}: {e}") from None
 
@@ -185,7 +171,7 @@ class Trainer:
         cfg = self.cfg
         self.store = Store(config.store.uri, s3_endpoint=config.store.s3_endpoint)
         run = self.store.require_run()
-        check_inputs(cfg, run, env.world_size)
+        self.loss_config = check_inputs(cfg, run, env.world_size)
         check_trackers(cfg.report_to)  # a missing tracker package fails before the model loads
         student = cfg.student or run.student
         if not student:
@@ -210,20 +196,7 @@ class Trainer:
         model = load_causal_lm(student, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
         if cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.objective = DistillationObjective(
-            model,
-            LossOptions(
-                divergence=cfg.loss,
-                tail=cfg.tail,
-                beta=cfg.beta,
-                chunk_size=cfg.chunk_size,
-                clip_low=cfg.clip_low,
-                clip_high=cfg.clip_high,
-                importance_cap=cfg.importance_cap,
-                distill_weight=cfg.distill_weight,
-                task_reward_weight=cfg.task_reward_weight,
-            ),
-        )
+        self.objective = DistillationObjective(model, self.loss_config)
         self.low_precision = self._low_precision_dtype()
         self.objective.to(env.device)
         if env.distributed:
@@ -376,7 +349,7 @@ class Trainer:
             max_steps=cfg.max_steps,
             version_of_step=self.version_of_step,
             micro_batch_tokens=cfg.micro_batch_tokens,
-            aggregation=cfg.aggregation,
+            aggregation=self.loss_config.aggregation,
             scorer=scorer,
             pad_id=self.tokenizer.pad_token_id or 0,
             prefetch=cfg.prefetch_batches,

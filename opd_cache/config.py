@@ -226,7 +226,10 @@ class TrainConfig(Section):
         # a null global_batch_samples is no batch unit (a dumped config holds one: it must load again)
         samples_given = "global_batch_samples" in self.model_fields_set and self.global_batch_samples is not None
         if self.global_batch_tokens is not None and samples_given:
-            raise ValueError("set only one of global_batch_samples and global_batch_tokens")
+            raise ValueError(
+                "global_batch_samples and global_batch_tokens (--global-batch-samples, --global-batch-tokens): "
+                "give only one of them"
+            )
         if self.global_batch_tokens is not None:
             object.__setattr__(self, "global_batch_samples", None)
         return self
@@ -395,6 +398,9 @@ def format_validation_error(error: ValidationError, source: str | None = None) -
             lines.append(
                 f"unknown config key {key!r} (value {value!r}); check the spelling against `docs/configuration.md`"
             )
+        elif item["type"] == "value_error" and isinstance(value, dict):
+            # a section's own check (model validator): its message names the keys; the section's dict adds nothing
+            lines.append(f"{key}: {item['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"config key {key!r} = {value!r}: {item['msg']}")
     where = f" in {source}" if source else ""

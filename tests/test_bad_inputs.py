@@ -256,8 +256,8 @@ def test_union_support_without_student_topk(store):
 def test_two_batch_units(store):
     assert_refused(
         opd("train", "--store", store, "--global-batch-samples", "8", "--global-batch-tokens", "100"),
-        "invalid configuration: config key 'train' = {'global_batch_samples': 8, 'global_batch_tokens': 100}: "
-        "Value error, set only one of global_batch_samples and global_batch_tokens",
+        "invalid configuration: train: global_batch_samples and global_batch_tokens "
+        "(--global-batch-samples, --global-batch-tokens): give only one of them",
     )
 
 

@@ -55,7 +55,7 @@ def test_wrong_types_and_ranges_name_key_value_and_expectation():
 
 
 def test_conflicting_options_and_missing_file(tmp_path):
-    with pytest.raises(ConfigError, match="set only one of global_batch_samples and global_batch_tokens"):
+    with pytest.raises(ConfigError, match="global_batch_samples and global_batch_tokens .* give only one of them"):
         load_config(sets=["train.global_batch_samples=8", "train.global_batch_tokens=1024"])
     assert load_config(sets=["train.global_batch_tokens=1024"]).train.global_batch_samples is None
     with pytest.raises(ConfigError, match=r"worker_index 2 must be < num_workers 2"):

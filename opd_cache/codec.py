@@ -62,7 +62,7 @@ _MAX_CODE = 254
 GAP_SCALE = 4.0  # c, in nats: steps are ~uniform for gaps << c and ~relative for gaps >> c
 MAX_GRID_GAP = 1e6  # rows spanning up to this many nats get a range on the lookup grid (below)
 RANGE_LEVELS = 256
-TABLE_CHUNK = 1024  # positions per step of the table decode
+TABLE_CHUNK = 1024  # positions per step of the decoders (a chunk's arrays stay in cache)
 RANGE_STEP = math.log1p(MAX_GRID_GAP / GAP_SCALE) / (RANGE_LEVELS - 1)  # 0.049: the grid of row ranges L
 
 
@@ -104,16 +104,21 @@ def unpack_ids(packed: np.ndarray, k: int, bits: int) -> np.ndarray:
     """Inverse of `pack_ids`: `[N, width]` uint8 -> `[N, k]` int32."""
     n, width = packed.shape
     row = width + 8  # 8 spare bytes per row so every id's 8-byte window stays inside it
-    padded = np.zeros((n, row), dtype=np.uint8)
-    padded[:, :width] = packed
     mask = np.uint64((1 << bits) - 1)
     out = np.empty((n, k), dtype=np.int32)
+    padded = np.zeros((min(n, TABLE_CHUNK), row), dtype=np.uint8)
     # Ids i, i + 8, i + 16, ... start `bits` bytes apart at the same bit shift, so each of the 8 residues is one
-    # strided (unaligned) uint64 view over all N positions and their k / 8 ids.
-    for i in range(min(8, k)):
-        start, shift = divmod(i * bits, 8)
-        window = np.ndarray((n, len(range(i, k, 8))), dtype="<u8", buffer=padded, offset=start, strides=(row, bits))
-        out[:, i::8] = (window >> np.uint64(shift)) & mask
+    # strided (unaligned) uint64 view over a chunk's positions and their k / 8 ids; TABLE_CHUNK positions at a
+    # time keep the chunk in cache.
+    for start in range(0, n, TABLE_CHUNK):
+        rows = min(TABLE_CHUNK, n - start)
+        padded[:rows, :width] = packed[start : start + rows]
+        for i in range(min(8, k)):
+            offset, shift = divmod(i * bits, 8)
+            window = np.ndarray(
+                (rows, len(range(i, k, 8))), dtype="<u8", buffer=padded, offset=offset, strides=(row, bits)
+            )
+            out[start : start + rows, i::8] = (window >> np.uint64(shift)) & mask
     return out
 
 

@@ -156,6 +156,10 @@ class TrainConfig(Section):
     # --follow stops (and writes train/DONE) after this many seconds without admissible data; None = wait forever
     idle_timeout: float | None = Field(None, gt=0)
     keep_states: int = Field(2, ge=1)  # resume states kept in train/state/
+    # policy versions kept up to LATEST, plus those a live reader holds (docs/reliability.md); None keeps all
+    keep_versions: int | None = Field(3, ge=1)
+    # dtype of the published weights; None: the training dtype (float32). Recorded in each version's config.json
+    publish_dtype: Literal["bfloat16", "float16", "float32"] | None = None
     prefetch_batches: int = Field(2, ge=1)  # decoded steps queued ahead of the trainer
 
     @model_validator(mode="after")

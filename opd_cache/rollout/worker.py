@@ -44,6 +44,7 @@ import pyarrow as pa
 from opd_cache.config import RolloutConfig
 from opd_cache.engine import engine_fields
 from opd_cache.metrics import MetricsLog
+from opd_cache.retention import VersionHold
 from opd_cache.rollout.display import ProgressDisplay
 from opd_cache.rollout.pacing import BacklogGauge
 from opd_cache.rollout.policy import CorruptPolicyError, PolicyFiles, check_policy_tokenizer, student_id
@@ -227,6 +228,9 @@ class RolloutWorker:
         # 2. The newest policy; run.json is written only once the model has loaded.
         self.policies = PolicyFiles(store, student)
         self.version, path = self.policies.newest_intact(store.latest_version())
+        # the trainer's retention keeps the version this worker samples with (opd_cache/retention.py)
+        self.hold = VersionHold(store, f"rollout-{self.worker}", ttl_s=max(120.0, 30 * cfg.poll_seconds))
+        self.hold.hold(self.version)
         self.engine = make_engine(cfg, path, self.tokenizer)
         self.policies.release(self.version)
         self.run_manifest = store.ensure_run(**run_fields)
@@ -327,9 +331,11 @@ class RolloutWorker:
 
     def maybe_reload(self) -> bool:
         """Load a newer published policy, publishing what the old one sampled first; True when one loaded."""
+        self.hold.renew()
         latest = self.store.latest_version()
         if latest <= self.version or not self.policies.worth_trying(latest):
             return False
+        self.hold.hold(self.version, latest)  # held before loading, so retention cannot delete it meanwhile
         try:
             path = self.policies.path(latest)
         except CorruptPolicyError as e:  # keep sampling with the current version until one loads
@@ -341,6 +347,7 @@ class RolloutWorker:
         self.engine.load_policy(path)
         self.policies.release(latest)
         self.version = self.result.policy_version = latest
+        self.hold.hold(latest)
         self.metrics.log({"event": "reload", "policy_version": self.version}, flush=True)
         return True
 
@@ -407,6 +414,7 @@ class RolloutWorker:
             self.display.close()
             self.metrics.flush()
             self.policies.close()
+            self.hold.release()
         self.result.cursor, self.result.total_samples = self.cursor, self.total_samples
         self.result.seconds = time.monotonic() - started
         return self.result

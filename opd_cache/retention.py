@@ -12,8 +12,8 @@ its hold expires.
 Resume states. `prune_states` keeps the newest `train.keep_states` complete
 states of `train/state/`.
 
-Crash safety. A deletion removes the folder's `_COMPLETE` marker first and its
-files afterwards. Every reader takes a version or a state only when its marker
+Crash safety. A deletion removes the folder's `_COMPLETE` marker first, then
+its files, its `_CHECKSUMS.json` last. Every reader takes a version or a state only when its marker
 exists (`Store.policy_versions`, `Store.latest_version`,
 `PolicyFiles.newest_intact`, `checkpoint.complete_states`), so a deletion cut
 short by a kill leaves a folder no reader uses, never a damaged "complete" one;
@@ -29,6 +29,7 @@ import re
 import socket
 import time
 
+from opd_cache.integrity import MANIFEST
 from opd_cache.store import COMPLETE_MARKER, PARTITION_RE, Store
 
 HOLDERS = "holders"
@@ -116,8 +117,15 @@ def outside_window(version: int, latest: int, keep: int) -> bool:
 
 
 def delete_folder(store: Store, rel: str) -> None:
-    """Remove a checkpoint folder crash-safely: its `_COMPLETE` marker first, then its files."""
+    """Remove a checkpoint folder crash-safely: its `_COMPLETE` marker first, its `_CHECKSUMS.json` last.
+
+    A reader that checked the marker just before it went verifies the files against the manifest: while the
+    manifest exists a deleted file reads as missing (the version is refused), never as an unverified folder.
+    """
     store.delete(f"{rel}/{COMPLETE_MARKER}")
+    for info in store.list_files(rel):
+        if info.base_name != MANIFEST:
+            store.delete(f"{rel}/{info.base_name}")
     store.delete_dir(rel)
 
 

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from opd_cache.integrity import MANIFEST
 from opd_cache.retention import (
     VersionHold,
     holder_rel,
@@ -116,10 +117,11 @@ def test_a_deletion_cut_short_leaves_a_consistent_store_and_the_next_pass_finish
         prune_policy_versions(local_store, keep=2)
     monkeypatch.setattr(Store, "delete_dir", real_delete_dir)
 
-    # v1 is gone, v2 lost its marker but kept its files, v3 is untouched: no reader takes v2
+    # v1 is gone, v2 lost its marker and files but not yet its manifest, v3 is untouched: no reader takes v2
     assert folders(local_store, "policy") == ["v000002", "v000003", "v000004", "v000005"]
-    assert local_store.exists("policy/v000002/model.safetensors")
-    assert not local_store.exists(f"policy/v000002/{COMPLETE_MARKER}")
+    assert [i.base_name for i in local_store.list_files("policy/v000002")] == [MANIFEST]
+    problems = local_store.verify_folder("policy/v000002")  # a reader that saw the marker before it went
+    assert [(p.name, p.status) for p in problems] == [("config.json", "missing"), ("model.safetensors", "missing")]
     assert local_store.policy_versions() == [3, 4, 5]
     assert local_store.policy_versions(after=1) == [3, 4, 5]
     assert local_store.latest_version() == 5

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import pytest
 import torch
 from safetensors import safe_open
+from typer.testing import CliRunner
 
+from opd_cache.cli import app
 from opd_cache.models import build_tiny_model, load_causal_lm
 from opd_cache.store import Store, StoreError
 from opd_cache.train import train
@@ -123,13 +126,20 @@ def test_publish_dtype_bfloat16_is_written_and_recorded(local_store, tokenizer):
 
 def test_trainer_publishes_in_the_background_keeps_k_versions_and_n_states(tmp_path, student_path, tokenizer, teacher):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher, shards=6, rows=8)
-    result = train(config(store, max_steps=6, publish_every=1, save_every=1, keep_versions=2, keep_states=2))
+    result = train(
+        config(
+            store, max_steps=6, publish_every=1, save_every=1, keep_versions=2, keep_states=2, publish_dtype="bfloat16"
+        )
+    )
     assert result.step == 6 and result.policy_version == 6
     assert store.policy_versions() == [5, 6] and store.list_dirs("policy") == ["v000005", "v000006"]
     assert complete_states(store) == [5, 6] and store.list_dirs("train/state") == ["step-000005", "step-000006"]
     assert [r["policy_version"] for r in metrics(store)] == [1, 2, 3, 4, 5, 6]
     verdict = verify_ledger(store)
     assert verdict["trained"] == 48 and not verdict["duplicates"]
+    out = CliRunner().invoke(app, ["inspect", str(store.root)])
+    assert out.exit_code == 0, out.output
+    assert re.search(r"published: 5.6 \(bfloat16\)", " ".join(out.output.split())), out.output
 
 
 def test_a_failed_background_publication_stops_the_trainer_before_its_state_and_the_rerun_publishes_it(

@@ -219,6 +219,15 @@ class TrainConfig(Section):
         description="--follow stops (and writes train/DONE) after this many seconds without admissible data; None = wait forever",
     )
     keep_states: int = Field(2, ge=1, description="resume states kept in train/state/")
+    keep_versions: int | None = Field(
+        3,
+        ge=1,
+        description="policy versions kept up to LATEST, plus those a live reader holds (docs/reliability.md); None keeps all",
+    )
+    publish_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+        None,
+        description="dtype of the published weights; None: the training dtype (float32). Recorded in each version's config.json",
+    )
     prefetch_batches: int = Field(2, ge=1, description="decoded steps queued ahead of the trainer")
 
     @model_validator(mode="after")

@@ -28,8 +28,9 @@ from opd_cache.config import SamplingConfig
 from opd_cache.engine import Response, resolve_device
 from opd_cache.metrics import MetricsLog
 from opd_cache.models import load_causal_lm
+from opd_cache.retention import VersionHold
 from opd_cache.rollout.hf_generate import HFGenerator
-from opd_cache.store import Store
+from opd_cache.store import COMPLETE_MARKER, Store
 from opd_cache.tasks.prompts import PromptSet, load_prompts
 from opd_cache.tasks.rewards import compute_score
 from opd_cache.tokenizer import check_compatible, load_tokenizer
@@ -200,6 +201,9 @@ def evaluate_store(
     prompts = _subset(load_prompts(prompts_path, tokenizer), max_prompts)
     teacher = load_teacher(teacher_path, tokenizer, device) if teacher_path else None
     log = MetricsLog(store, "eval", worker)
+    # the trainer's retention keeps the versions still to evaluate (opd_cache/retention.py)
+    hold = VersionHold(store, f"eval-{worker}", ttl_s=max(600.0, 30 * poll_seconds))
+    hold.hold(1, every=every)
     done_versions = {r["version"] for r in log.records()}
     engine = None
     results = []
@@ -209,7 +213,10 @@ def evaluate_store(
         versions += store.policy_versions(after=versions[-1])  # only the new ones: no listing of policy/
         # every `every`-th version, and the final one once training is done
         todo = [v for v in versions if v not in done_versions and (v % every == 0 or (finished and v == versions[-1]))]
+        hold.hold(*(todo or [versions[-1] + 1]), every=every)
         for version in todo:
+            if version and not store.exists(f"{store.policy_dir(version)}/{COMPLETE_MARKER}"):
+                continue  # deleted by retention while its hold had expired (an evaluator stopped for long)
             path = run.student if version == 0 else _policy_folder(store, version)
             if engine is None:
                 engine = HFGenerator(
@@ -237,5 +244,6 @@ def evaluate_store(
             results.append(record)
             done_versions.add(version)
         if finished or not follow:
+            hold.release()
             return results
         time.sleep(poll_seconds)

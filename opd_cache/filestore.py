@@ -238,7 +238,13 @@ class FileStore:
     def list_files(self, rel: str, recursive: bool = False) -> list[pafs.FileInfo]:
         """Complete files under `rel` (never `*.tmp-*`); empty when `rel` does not exist."""
         sel = pafs.FileSelector(self.path(rel), allow_not_found=True, recursive=recursive)
-        infos = self.fs.get_file_info(sel)
+        for attempt in range(3):
+            try:
+                infos = self.fs.get_file_info(sel)
+                break
+            except FileNotFoundError:  # local: a `*.tmp-*` renamed or removed while a recursive listing read it
+                if attempt == 2:
+                    raise
         return [i for i in infos if i.type == pafs.FileType.File and not is_tmp(i.path)]
 
     def list_dirs(self, rel: str) -> list[str]:

@@ -28,6 +28,7 @@ TRAIN_DONE = "train/DONE"
 TRAIN_STATE = "train/state"
 TRAIN_CONSUMED = "train/consumed"
 TRAIN_SKIPPED = "train/skipped"
+HOLDERS = "holders"  # readers' holds on policy versions (opd_cache/retention.py)
 METRICS = "metrics"
 QUARANTINE = "quarantine"
 REASON_SUFFIX = ".reason.txt"

@@ -145,9 +145,19 @@ def summarize_store(store: Store, on_file=None) -> dict:
         "student": run.student,
         "policy_versions": sorted({s.policy_version for s in shards}),
         "published_versions": store.policy_versions(),
+        "published_dtype": _published_dtype(store),
         "rollouts": rollout,
         "teachers": teachers,
     }
+
+
+def _published_dtype(store: Store) -> str | None:
+    """The weights' dtype recorded in the newest version's config.json (train.publish_dtype, else the training one)."""
+    latest = store.latest_version()
+    if latest == 0:
+        return None
+    config = store.read_json(f"{store.policy_dir(latest)}/config.json", default=None) or {}
+    return config.get("dtype") or config.get("torch_dtype")
 
 
 def print_store_summary(summary: dict) -> None:
@@ -165,7 +175,8 @@ def print_store_summary(summary: dict) -> None:
     )
     console.print(
         f"  policy versions in rollouts: {_ranges(versions) or 'none'}; published: "
-        f"{_ranges(summary['published_versions']) or 'none'}",
+        f"{_ranges(summary['published_versions']) or 'none'}"
+        + (f" ({summary['published_dtype']})" if summary.get("published_dtype") else ""),
         highlight=False,
     )
     if not summary["teachers"]:

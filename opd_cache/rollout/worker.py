@@ -44,6 +44,7 @@ import pyarrow as pa
 from opd_cache.config import RolloutConfig
 from opd_cache.engine import engine_fields
 from opd_cache.metrics import MetricsLog
+from opd_cache.retention import VersionHold
 from opd_cache.rollout.display import ProgressDisplay
 from opd_cache.rollout.pacing import BacklogGauge
 from opd_cache.rollout.policy import CorruptPolicyError, PolicyFiles, check_policy_tokenizer, student_id
@@ -51,7 +52,7 @@ from opd_cache.rollout.prompt_stream import PromptStream, batch_seed
 from opd_cache.rollout.resume import RolloutShardMeta, resume_point
 from opd_cache.schema import ROLLOUT, rollout_table, write_shard
 from opd_cache.staleness import is_too_stale
-from opd_cache.store import RunManifest, Store, make_shard_id, validate_worker_id
+from opd_cache.store import COMPLETE_MARKER, RunManifest, Store, make_shard_id, validate_worker_id
 from opd_cache.tasks.prompts import PromptSet, load_prompts
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -227,8 +228,18 @@ class RolloutWorker:
 
         # 2. The newest policy; run.json is written only once the model has loaded.
         self.policies = PolicyFiles(store, student)
-        self.version, path = self.policies.newest_intact(store.latest_version())
-        self.engine = make_engine(cfg, path, self.tokenizer)
+        # the trainer's retention keeps the version this worker samples with (opd_cache/retention.py)
+        self.hold = VersionHold(store, f"rollout-{self.worker}", ttl_s=max(120.0, 30 * cfg.poll_seconds))
+        while True:
+            self.version, path = self.policies.newest_intact(store.latest_version())
+            self.hold.hold(self.version)
+            try:
+                self.engine = make_engine(cfg, path, self.tokenizer)
+                break
+            except OSError:
+                if self.version == 0 or store.exists(f"{store.policy_dir(self.version)}/{COMPLETE_MARKER}"):
+                    raise
+                # retention deleted it between LATEST and the hold (a newer version is out): load that one
         self.policies.release(self.version)
         self.run_manifest = store.ensure_run(**run_fields)
 
@@ -328,9 +339,13 @@ class RolloutWorker:
 
     def maybe_reload(self) -> bool:
         """Load a newer published policy, publishing what the old one sampled first; True when one loaded."""
+        self.hold.renew()
         latest = self.store.latest_version()
         if latest <= self.version or not self.policies.worth_trying(latest):
             return False
+        self.hold.hold(self.version, latest)  # held before loading, so retention cannot delete it meanwhile
+        if not self.store.exists(f"{self.store.policy_dir(latest)}/{COMPLETE_MARKER}"):
+            return True  # deleted by retention since LATEST was read, before the hold: a newer one is out
         try:
             path = self.policies.path(latest)
         except CorruptPolicyError as e:  # keep sampling with the current version until one loads
@@ -338,10 +353,16 @@ class RolloutWorker:
             self.metrics.log({"event": "policy_refused", "policy_version": latest, "reason": str(e)}, flush=True)
             return True  # look again at once: the flush below is not due, the limits did not move
         self.flush()
-        check_policy_tokenizer(path, self.fingerprint, latest)
-        self.engine.load_policy(path)
+        try:
+            check_policy_tokenizer(path, self.fingerprint, latest)
+            self.engine.load_policy(path)
+        except OSError:
+            if self.store.exists(f"{self.store.policy_dir(latest)}/{COMPLETE_MARKER}"):
+                raise
+            return True  # deleted by retention after the check above (its hold came too late): load a newer one
         self.policies.release(latest)
         self.version = self.result.policy_version = latest
+        self.hold.hold(latest)
         self.metrics.log({"event": "reload", "policy_version": self.version}, flush=True)
         return True
 
@@ -408,6 +429,7 @@ class RolloutWorker:
             self.display.close()
             self.metrics.flush()
             self.policies.close()
+            self.hold.release()
         self.result.cursor, self.result.total_samples = self.cursor, self.total_samples
         self.result.seconds = time.monotonic() - started
         return self.result

@@ -24,12 +24,12 @@ step S, ledger files of steps after S and skipped files of shards not finished
 at S are deleted: the resumed run rewrites them, so every row ends up in the
 ledger exactly once (`verify_ledger` checks it).
 
-Policy version N: rank 0 gathers the full state dict
-(`get_model_state_dict(full_state_dict=True, cpu_offload=True)`), writes an HF
-checkpoint (safetensors, config, tokenizer) to a local temporary folder and
-`store.publish_policy(N, folder)` copies it into `policy/v<N>` atomically (with
-`_CHECKSUMS.json` before `_COMPLETE`) and then replaces `policy/LATEST`. A
-resumed trainer that re-derives a version it finds damaged publishes it again.
+Policy version N: `publish.PolicyPublisher` copies the weights to CPU and
+writes the HF checkpoint (safetensors, config, tokenizer) in a background
+thread; `store.publish_policy(N, folder)` copies it into `policy/v<N>`
+atomically (with `_CHECKSUMS.json` before `_COMPLETE`) and then replaces
+`policy/LATEST`; old versions are pruned (opd_cache/retention.py). A resumed
+trainer that re-derives a version it finds damaged publishes it again.
 
 Untrusted files. DCP writes its `.metadata` with pickle and the non-tensor
 entries of a state (the optimizer's hyper-parameters) with `torch.save`, and
@@ -54,7 +54,6 @@ import os
 import pickle
 import re
 import shutil
-import sys
 import tempfile
 import time
 import warnings
@@ -66,6 +65,7 @@ from opd_cache.integrity import MANIFEST, FileProblem, legacy_warning, manifest_
 from opd_cache.layout import TRAIN_CONSUMED as CONSUMED
 from opd_cache.layout import TRAIN_SKIPPED as SKIPPED
 from opd_cache.layout import TRAIN_STATE as STATE_ROOT
+from opd_cache.retention import prune_states
 from opd_cache.store import COMPLETE_MARKER, Store, StoreError, iter_jsonl
 
 
@@ -169,10 +169,8 @@ def save_state(
             store.write_bytes(f"{rel}/{MANIFEST}", manifest)
             store.write_bytes(f"{rel}/{COMPLETE_MARKER}", f"{step}\n".encode())
             shutil.rmtree(folder, ignore_errors=True)
-        for old in complete_states(store)[:-keep]:
-            # the marker first: a deletion cut short by a kill leaves an incomplete state, never a damaged "complete" one
-            store.delete(f"{state_rel(old)}/{COMPLETE_MARKER}")
-            store.delete_dir(state_rel(old))
+        # the marker first: a deletion cut short by a kill leaves an incomplete state, never a damaged "complete" one
+        prune_states(store, keep)
     _barrier(distributed)
 
 
@@ -400,65 +398,7 @@ def verify_ledger(store: Store) -> dict:
     }
 
 
-# ------------------------------------------------------------------ publishing
-def publish_version(
-    store: Store, version: int, objective: torch.nn.Module, tokenizer, *, rank: int = 0, distributed: bool = False
-) -> None:
-    """Publish the current student weights as `policy/v<version>` (a collective under torchrun)."""
-    from opd_cache.models import save_causal_lm
-
-    model = objective.model
-    full = None
-    if distributed:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(objective, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank != 0:
-        return
-    marker = f"{store.policy_dir(version)}/{COMPLETE_MARKER}"
-    latest = store.latest_version()
-    if store.exists(marker) and latest >= version:
-        problems = store.verify_folder(store.policy_dir(version))
-        if not problems:
-            return  # published before a crash; the resumed run does not move LATEST back
-        # Damaged since (rollout quarantined what failed its checksum): publish these weights again.
-        print(f"policy version {version}: {problems[0].reason}; publishing it again", file=sys.stderr)
-        store.delete(marker)
-    folder = tempfile.mkdtemp(prefix=f"opd-policy-v{version:06d}-")
-    try:
-        if full is None:
-            save_causal_lm(model, tokenizer, folder)
-        else:
-            prefix = "model."
-            tied = _tied_names(model)  # e.g. lm_head.weight when tied to the embeddings: saved once
-            state = {
-                k[len(prefix) :]: v for k, v in full.items() if k.startswith(prefix) and k[len(prefix) :] not in tied
-            }
-            from transformers.utils import logging as hf_logging
-
-            was_enabled = hf_logging.is_progress_bar_enabled()
-            hf_logging.disable_progress_bar()
-            try:
-                model.save_pretrained(folder, state_dict=state)
-            finally:
-                if was_enabled:
-                    hf_logging.enable_progress_bar()
-            tokenizer.save_pretrained(folder)
-        store.publish_policy(version, folder, point_latest=version >= latest)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _tied_names(model: torch.nn.Module) -> set[str]:
-    """Names of parameters that are the same object as an earlier one (tied weights)."""
-    seen, tied = set(), set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            tied.add(name)
-        seen.add(id(param))
-    return tied
-
-
+# ------------------------------------------------------------------ progress
 def samples_needed_total(cfg) -> int | None:
     """The samples all `max_steps` steps of a TrainConfig train (rollout and annotate pace on it, issue #14).
 

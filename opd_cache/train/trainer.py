@@ -39,6 +39,7 @@ from opd_cache.config import Config, TrainConfig
 from opd_cache.engine import resolve_device
 from opd_cache.losses import LOSSES, POLICY_GRADIENT, LossConfig
 from opd_cache.metrics import MetricsLog
+from opd_cache.retention import retention_pass
 from opd_cache.store import RUN_JSON, RunManifest, Store
 from opd_cache.tracking import Tracker, check_trackers, train_metrics
 from opd_cache.train.checkpoint import (
@@ -47,14 +48,15 @@ from opd_cache.train.checkpoint import (
     complete_states,
     drop_corrupt_state,
     load_state,
-    publish_version,
     samples_needed_total,
     save_state,
+    state_rel,
     write_consumed,
     write_progress,
 )
 from opd_cache.train.loader import BatchLoader, LoadedStep
 from opd_cache.train.objective import DistillationObjective
+from opd_cache.train.publish import PolicyPublisher
 from opd_cache.train.shard_data import ShardCache, required_teachers
 from opd_cache.train.stream import ShardStream, StreamCursor, StreamEnd
 
@@ -226,7 +228,7 @@ class Trainer:
             self.published_step = state["published_step"]
             if self.console:
                 self.console.print(
-                    f"resuming from {self.store.path(f'train/state/step-{self.step:06d}')} "
+                    f"resuming from {self.store.path(state_rel(self.step))} "
                     f"(step {self.step}, policy version {self.version})"
                 )
         if env.rank == 0:
@@ -234,7 +236,18 @@ class Trainer:
             swept = self.store.remove_stale_tmp()  # what killed writers of any stage left, over an hour ago
             if swept and self.console:
                 self.console.print(f"removed {len(swept)} temporary file(s) left by killed writers, e.g. {swept[0]}")
+            retention_pass(self.store, cfg.keep_versions, cfg.keep_states)  # finishes a pass a kill cut short
         env.barrier()
+        # policy versions are written in the background (train/publish.py); the state gather stays a collective
+        self.publisher = PolicyPublisher(
+            self.store,
+            self.objective.model,
+            self.tokenizer,
+            dtype=cfg.publish_dtype,
+            keep_versions=cfg.keep_versions,
+            rank=env.rank,
+            distributed=env.distributed,
+        )
 
     def _load_newest_intact_state(self) -> dict | None:
         """trainer.json of the newest complete resume state whose files pass their checksums, loaded.
@@ -421,6 +434,7 @@ class Trainer:
         # the step is done: ledger, publication, progress, resume state, metrics
         if env.rank == 0:
             write_consumed(self.store, self.step, batch)
+        self.publisher.check()  # a failed background publication stops the trainer here
         if (self.step - self.anchor_step) % cfg.publish_every == 0:
             self._publish()
         if env.rank == 0:
@@ -495,17 +509,11 @@ class Trainer:
 
     def _publish(self) -> None:
         self.version += 1
-        publish_version(
-            self.store,
-            self.version,
-            self.objective,
-            self.tokenizer,
-            rank=self.env.rank,
-            distributed=self.env.distributed,
-        )
+        self.publisher.submit(self.version, self.objective)  # returns once the weights are copied
         self.published_step = self.step
 
     def _save(self) -> None:
+        self.publisher.wait()  # the state counts every version up to its own as published: they must be complete
         save_state(
             self.store,
             self.step,
@@ -525,6 +533,7 @@ class Trainer:
             self.anchor_step, self.anchor_version = self.step, self.version  # later steps count from here
         if (self.step, self.cursor) != (self.saved_step, self.saved_cursor):
             self._save()
+        self.publisher.close()
         if self.env.rank == 0:
             self._write_progress(self.cursor)
             if stopped == "max_steps" or (self.cfg.follow and "idle" in stopped):

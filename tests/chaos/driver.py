@@ -63,6 +63,7 @@ LOCAL_KEY_POINTS = {
     "train-state:saved-locally": 1,  # DCP wrote step-N.tmp-save; no trainer.json, no marker yet
     "train-state:before-rename": 1,  # complete step-N.tmp-save, not renamed
     "train-state:after-rename": 1,  # step-N in place, old states not deleted yet
+    "policy:deleting": 1,  # retention removed an old version's _COMPLETE, its files not yet
     "ledger:published": 1,  # step ledger written; publication, progress and state not yet
     "done-marker:open": 1,
 }
@@ -75,6 +76,7 @@ S3_KEY_POINTS = {
     "policy-latest:open": 1,
     "train-state:saved-locally": 1,  # DCP wrote the local folder, nothing uploaded
     "train-state:published": 1,  # some files of train/state/step-N uploaded
+    "policy:deleting": 1,  # retention removed an old version's _COMPLETE, its files not yet
     "ledger:published": 1,
     "done-marker:open": 1,
 }
@@ -176,6 +178,7 @@ def chaos_config(workdir: Path, store_uri: str, *, s3_endpoint: str | None = Non
             "max_staleness": 1,
             "poll_seconds": 0.2,
             "keep_states": 2,
+            "keep_versions": 3,  # retention deletes 7 of the 10 versions while the stages are killed
         },
         "run": {"evaluate": False},
     }

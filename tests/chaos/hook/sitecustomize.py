@@ -21,7 +21,9 @@ Kill points (`<kind>:<moment>`; kind from the store path, e.g. `rollout-shard`,
   into place, before the next action (LATEST, old states' deletion);
 - `<kind>:published` — `write_atomic` returned (the file is visible);
 - `train-state:saved-locally` — DCP wrote the state folder; rng/trainer.json
-  and the marker not yet (local), nothing uploaded yet (S3).
+  and the marker not yet (local), nothing uploaded yet (S3);
+- `<kind>:deleting` — retention (opd_cache/retention.py) removed an old policy
+  version's or resume state's `_COMPLETE` marker, its files not yet.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def _install() -> None:
     real_replace = os.replace
     real_write_text = pathlib.Path.write_text
     real_write_atomic = store_module.Store.write_atomic
+    real_delete_dir = store_module.Store.delete_dir
     local_root = os.environ.get("OPD_CHAOS_STORE_ROOT", "")
     # per kind: probability of pausing at each of its points; "*" for kinds not listed
     probabilities = {"*": 0.0}
@@ -117,7 +120,14 @@ def _install() -> None:
             pause("train-state", "saved-locally")
         return real_write_text(self, *args, **kwargs)
 
+    def delete_dir(self, rel):
+        kind = kind_of(rel)
+        if kind in ("policy", "train-state"):
+            pause(kind, "deleting")
+        return real_delete_dir(self, rel)
+
     store_module.Store.write_atomic = write_atomic
+    store_module.Store.delete_dir = delete_dir
     os.replace = replace
     pathlib.Path.write_text = write_text
 

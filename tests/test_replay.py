@@ -262,3 +262,43 @@ def test_replay_sigkilled_mid_epoch_resumes_exactly_once_per_epoch(annotated_sto
     assert resumed.returncode == 0, resumed.output
     assert "resuming from" in resumed.stdout
     assert ledger_rows(dst) == uninterrupted  # every epoch's 5 rows once, in the uninterrupted order
+
+
+def test_replay_weights_rows_by_truncated_importance_from_the_stored_behavior_logprobs(annotated_store, tmp_path):
+    """`train.importance_cap` in a replay: min(exp(s - s_behavior), c) with s the new student's log-prob and
+    s_behavior the one stored in the source's rollout shards; the step's logged means equal an independent
+    forward of the student over the step's rows."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from opd_cache.metrics import read_metrics
+    from opd_cache.models import load_causal_lm
+
+    cap = 0.015  # the tiny student's log-probs (~ -log 99) against stored ones in [-1, 0]: both sides of the cap
+    out = replay([annotated_store], tmp_path / "dst", "--importance-cap", str(cap), max_steps="1")
+    assert out.returncode == 0, out.output
+    logs = read_metrics(Store(tmp_path / "dst"), "train")
+    (record,) = [r for log in logs.values() for r in log if r.get("step") == 1 and "importance_weight" in r]
+
+    trained = {json.loads(line)["sample_id"] for line in (tmp_path / "dst/train/consumed/step-000001.jsonl").open()}
+    student = load_causal_lm(annotated_store.require_run().student).eval()
+    weights, clipped = [], []
+    for shard in annotated_store.list_rollout_shards():
+        table, _ = read_shard(annotated_store, shard.path)
+        for row in table.to_pylist():
+            if row["sample_id"] not in trained:
+                continue
+            ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
+            with torch.no_grad():
+                logp = torch.log_softmax(student(input_ids=ids).logits[0].double(), -1)
+            p = len(row["prompt_ids"])
+            s = logp[p - 1 : -1].gather(1, torch.tensor(row["response_ids"])[:, None])[:, 0].numpy()
+            ratio = np.exp(s - np.asarray(row["behavior_logprobs"]))
+            weights += list(np.minimum(ratio, cap))
+            clipped += list(ratio > cap)
+    assert len(weights) == record["tokens"]
+    assert 0 < np.mean(clipped) < 1  # the cap truncated some tokens and not others
+    np.testing.assert_allclose(record["importance_weight"], np.mean(weights), rtol=1e-4)
+    np.testing.assert_allclose(record["importance_clipped"], np.mean(clipped), rtol=1e-6)

@@ -377,11 +377,15 @@ def test_objective_applies_truncated_importance_weights(tokenizer):
     logits = _student_logits(model, mb)
     s = torch.log_softmax(logits, -1).gather(1, mb.sampled_ids[:, None]).squeeze(1)
     mb.behavior_logprobs = s.detach() + torch.linspace(-1.0, 1.0, len(s))  # ratios exp(s - b) from e^-1 to e
-    loss, _, _ = DistillationObjective(model, LossConfig(importance_cap=1.5))(mb)
+    loss, _, diagnostics = DistillationObjective(model, LossConfig(importance_cap=1.5))(mb)
     weight = torch.exp(s - mb.behavior_logprobs).clamp(max=1.5).detach()
     assert (weight < 1.5).any() and (weight == 1.5).any()  # both sides of the cap are exercised
     per_token = token_losses(logits, mb.teacher_topk_ids, mb.teacher_topk_logprobs)
     torch.testing.assert_close(loss, (mb.token_weights * weight * per_token).sum(), rtol=1e-5, atol=1e-6)
+    trained = mb.token_weights != 0
+    torch.testing.assert_close(diagnostics["importance_weight"], weight[trained].mean(), rtol=1e-5, atol=1e-6)
+    clipped = (torch.exp(s - mb.behavior_logprobs) > 1.5)[trained].float().mean()
+    torch.testing.assert_close(diagnostics["importance_clipped"], clipped)
 
 
 def test_objective_adds_the_grpo_task_loss(tokenizer):

@@ -75,9 +75,18 @@ class DistillationObjective(nn.Module):
     def _losses(self, hidden: torch.Tensor, weight: torch.Tensor, mb: MicroBatch):
         config = self.config
         token_weights = mb.token_weights * config.distill_weight
+        importance = {}
         if config.importance_cap is not None and config.kind == "topk":  # "pg" applies its own
             s = sampled_token_logprobs(hidden.detach(), weight.detach(), mb.sampled_ids, config.chunk_size)
-            token_weights = token_weights * torch.exp(s - mb.behavior_logprobs).clamp(max=config.importance_cap)
+            ratio = torch.exp(s - mb.behavior_logprobs)
+            is_weight = ratio.clamp(max=config.importance_cap)
+            token_weights = token_weights * is_weight
+            # means over the trained tokens, as the losses' own diagnostics (the trainer logs them per step)
+            trained = mb.token_weights != 0
+            importance = {
+                "importance_weight": is_weight[trained].mean(),
+                "importance_clipped": (ratio[trained] > config.importance_cap).float().mean(),
+            }
         loss, per_token, diagnostics = fused_token_losses(
             hidden,
             weight,
@@ -92,7 +101,7 @@ class DistillationObjective(nn.Module):
             behavior_logprobs=mb.behavior_logprobs if config.policy_gradient else None,
             return_diagnostics=True,
         )
-        diagnostics = dict(diagnostics)
+        diagnostics = dict(diagnostics, **importance)
         if self.task_config is not None:
             task_loss, task_per_token = fused_token_losses(
                 hidden,

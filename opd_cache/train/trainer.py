@@ -69,6 +69,8 @@ MEAN_DIAGNOSTICS = (
     "student_tail_mass",
     "topk_overlap",
     "k1",
+    "importance_weight",  # with train.importance_cap (top-k losses): the mean truncated IS weight
+    "importance_clipped",  # ... and the share of tokens whose ratio the cap truncated
 )
 
 

@@ -294,7 +294,7 @@ def replay(config, spec: ReplaySpec, console=None, *, steps_from_epochs: bool = 
 
     `steps_from_epochs`: no step limit was given, so train.max_steps becomes what the epochs need.
     """
-    from opd_cache.train.trainer import init_distributed
+    from opd_cache.train.distributed import init_distributed
 
     if config.train.support == "union":
         raise ValueError("--support union is not available for replay yet: use --support teacher")

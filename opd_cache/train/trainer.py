@@ -2,8 +2,8 @@
 
 Read top to bottom:
 
-1. `init_distributed`: one process, or one per rank under `torchrun` (gloo on
-   CPU, NCCL on GPU), plus a gloo group for the data loader's broadcasts.
+1. `init_distributed` (distributed.py): one process, or one per rank under `torchrun`
+   (gloo on CPU, NCCL on GPU), plus a gloo group for the data loader's broadcasts.
 2. `check_inputs`: every bad input the trainer can detect before training,
    each with one message naming the flag, field or file.
 3. `Trainer.__init__`: load the student, wrap it in the loss module
@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from opd_cache.config import Config, TrainConfig
-from opd_cache.engine import resolve_device
 from opd_cache.losses import LOSSES, POLICY_GRADIENT, LossConfig
 from opd_cache.metrics import MetricsLog
 from opd_cache.retention import retention_pass
@@ -54,67 +51,13 @@ from opd_cache.train.checkpoint import (
     write_consumed,
     write_progress,
 )
+from opd_cache.train.distributed import DistEnv, init_distributed
 from opd_cache.train.loader import BatchLoader, LoadedStep
 from opd_cache.train.objective import DistillationObjective
 from opd_cache.train.publish import PolicyPublisher
 from opd_cache.train.shard_data import ShardCache, required_teachers
+from opd_cache.train.step_stats import StepStats
 from opd_cache.train.stream import ShardStream, StreamCursor, StreamEnd
-
-# Diagnostics of the losses module averaged over the step's tokens (weighted by each micro-batch's count).
-MEAN_DIAGNOSTICS = (
-    "loss_mean",
-    "teacher_mass_support",
-    "student_mass_support",
-    "teacher_tail_mass",
-    "student_tail_mass",
-    "topk_overlap",
-    "k1",
-    "importance_weight",  # with train.importance_cap (top-k losses): the mean truncated IS weight
-    "importance_clipped",  # ... and the share of tokens whose ratio the cap truncated
-)
-
-
-# ---------------------------------------------------------------------- 1. processes
-@dataclass
-class DistEnv:
-    rank: int = 0
-    world_size: int = 1
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    mesh: object = None
-    data_group: object = None
-    owns_group: bool = False
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier()
-
-    def close(self) -> None:
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def init_distributed(device_name: str = "auto") -> DistEnv:
-    """Single process unless WORLD_SIZE > 1 (torchrun); then one process group per the device type."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    device = resolve_device(device_name)
-    if world_size == 1:
-        return DistEnv(device=device)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device.type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    owns = not dist.is_initialized()
-    if owns:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    mesh = init_device_mesh(device.type, (world_size,))
-    data_group = dist.new_group(backend="gloo")  # the loader thread's broadcasts, apart from training collectives
-    return DistEnv(dist.get_rank(), world_size, device, mesh, data_group, owns)
 
 
 # ---------------------------------------------------------------------- 2. bad input
@@ -397,9 +340,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.objective.train()
-        # local sums: [loss, tokens, Σ tokens·mean for each MEAN_DIAGNOSTICS, task_loss, distill_loss]
-        sums = torch.zeros(3 + len(MEAN_DIAGNOSTICS) + 2, dtype=torch.float64)
-        extremes = torch.tensor([math.inf, math.inf], dtype=torch.float64)  # [loss_min, -loss_max]
+        stats = StepStats()
         last = len(item.micro_batches) - 1
         for i, micro in enumerate(item.micro_batches):
             if env.distributed:
@@ -407,29 +348,14 @@ class Trainer:
             with self._autocast():
                 loss, _, diag = self.objective(micro.to(env.device))
             loss.backward()
-            tokens = float(diag["tokens"])
-            sums[0] += float(loss.detach())
-            sums[1] += tokens
-            if tokens > 0:
-                for j, key in enumerate(MEAN_DIAGNOSTICS):
-                    if key in diag:
-                        sums[2 + j] += tokens * float(diag[key])
-                extremes[0] = min(extremes[0], float(diag["loss_min"]))
-                extremes[1] = min(extremes[1], -float(diag["loss_max"]))
-            if "task_loss" in diag:
-                sums[-2] += float(diag["task_loss"])
-                sums[-1] += float(diag["distill_loss"])
+            stats.add(loss, diag)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.objective.parameters(), cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if env.distributed:
-            sums = sums.to(env.device)
-            extremes = extremes.to(env.device)
-            dist.all_reduce(sums)
-            dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
-            sums, extremes = sums.cpu(), extremes.cpu()
+            stats.all_reduce(env.device)
         step_time = time.perf_counter() - t0
         self.cursor = batch.cursor
 
@@ -444,16 +370,14 @@ class Trainer:
         if self.step % cfg.save_every == 0:
             self._save()
         if env.rank == 0:
-            tokens = float(sums[1])
+            tokens = stats.tokens
             record = {
                 "step": self.step,
                 "policy_version": self.version,
                 "trained_version": batch.version,
                 "lr": lr,
-                "loss": float(sums[0]),
                 "grad_norm": float(grad_norm),
                 "samples": batch.num_rows,
-                "tokens": int(tokens),
                 "input_tokens": int((batch.prompt_lengths + batch.response_lengths).sum()),
                 "micro_batches": len(item.micro_batches),
                 "step_time_s": step_time,
@@ -466,13 +390,9 @@ class Trainer:
                 "lost_total": self.cursor.get("lost_samples", 0),
                 "lost_shards": self.cursor.get("lost_shards", 0),
                 "staleness": batch.staleness_histogram(),
-                "loss_min": float(extremes[0]) if tokens else None,
-                "loss_max": -float(extremes[1]) if tokens else None,
+                **stats.record(with_task=cfg.task_reward_weight > 0),
             }
-            for j, key in enumerate(MEAN_DIAGNOSTICS):
-                record[key] = float(sums[2 + j]) / tokens if tokens else None
             if cfg.task_reward_weight > 0:
-                record["task_loss"], record["distill_loss"] = float(sums[-2]), float(sums[-1])
                 record["task_reward_mean"] = float(batch.rewards.mean()) if batch.rewards is not None else None
             self._log(record)
 

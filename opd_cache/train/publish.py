@@ -127,7 +127,7 @@ class PolicyPublisher:
             items = objective.model.state_dict().items()
             copy_needed = True  # the live parameters: the next optimizer step changes them in place
         return {
-            name: tensor.detach().to("cpu", dtype=self.dtype or tensor.dtype, copy=copy_needed)
+            name: tensor.detach().to("cpu", dtype=self.dtype or tensor.dtype, copy=copy_needed or _is_view(tensor))
             for name, tensor in items
             if name not in self.tied
         }
@@ -160,3 +160,9 @@ class PolicyPublisher:
             shutil.rmtree(folder, ignore_errors=True)
         if self.keep_versions:
             prune_policy_versions(store, self.keep_versions)
+
+
+def _is_view(tensor: torch.Tensor) -> bool:
+    """A tensor that covers only part of its storage (FSDP2's gathered full tensors can be views of one
+    buffer): safetensors refuses to save those, so they are copied."""
+    return tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()

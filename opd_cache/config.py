@@ -84,7 +84,9 @@ class AnnotateConfig(Section):
     max_tokens_per_batch: int = Field(16384, ge=1)
     max_shards: int | None = Field(None, ge=1)
     worker_index: int = Field(0, ge=0)
-    num_workers: int = Field(1, ge=1)
+    num_workers: int = Field(1, ge=1)  # > 1: the static split (crc32 of the shard id); 1: claim shards by leases
+    worker_id: str | None = None  # this worker's name in leases and metrics (None: <teacher_name>-<worker_index>)
+    lease_seconds: float | None = Field(30.0, gt=0)  # a shard's lease expiry (None: no leases, take every shard)
     engine: Literal["hf", "vllm"] = "hf"
     device: str = "auto"
     attn_implementation: str = "sdpa"

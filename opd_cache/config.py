@@ -208,6 +208,27 @@ class RunConfig(Section):
     drain_seconds: float = Field(60.0, ge=0)  # after training: time for the evaluator to finish
 
 
+class StageResources(Section):
+    """What one worker of a stage asks Ray for (`opd run --launcher ray`)."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = {}  # custom Ray resources, e.g. {"teacher_node": 1}
+
+
+class RayConfig(Section):
+    """`opd run --launcher ray`: stages as Ray actors (docs/scale-out.md)."""
+
+    address: str | None = None  # a running cluster ("auto", "ray://head:10001"); None: start one on this machine
+    rollout: StageResources = StageResources()
+    annotate: StageResources = StageResources()
+    train: StageResources = StageResources()  # per rank
+    eval: StageResources = StageResources()
+    train_world_size: int = Field(1, ge=1)  # trainer ranks (FSDP2), one actor each, in one placement group
+    scale_poll_seconds: float = Field(2.0, gt=0)  # how often the launcher reads `opd scale`'s desired counts
+    shared_filesystem: bool = False  # a local store path that every node mounts (else: refused on a multi-node cluster)
+
+
 class Config(Section):
     store: StoreConfig = StoreConfig()
     rollout: RolloutConfig = RolloutConfig()
@@ -215,6 +236,7 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     run: RunConfig = RunConfig()
+    ray: RayConfig = RayConfig()
 
 
 def parse_set(assignment: str) -> tuple[str, Any]:

@@ -15,6 +15,7 @@ from opd_cache.cli import (  # noqa: F401  (register commands)
     report,
     rollout,
     run,
+    scale,  # noqa: F401  (registers `opd scale`)
     train,
     verify,  # noqa: F401  (register `opd verify`)
 )

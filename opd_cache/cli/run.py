@@ -24,17 +24,25 @@ def run_command(
     quiet: bool = typer.Option(
         False, "--quiet", help="No live dashboard (on a terminal) or progress lines (otherwise: one every ~10 s)."
     ),
+    launcher: str = typer.Option("local", "--launcher", help="local (processes here) or ray (docs/scale-out.md)."),
+    address: str | None = typer.Option(None, "--address", help="Ray cluster to join (--launcher ray; ray.address)."),
     config: Path | None = ConfigOpt,
     sets: list[str] | None = SetOpt,
 ) -> None:
     """Start rollout, annotate, train and an evaluator as processes on one store, until training finishes."""
     from opd_cache.run import supervise, sync_overrides, write_resolved_config
 
-    cfg = stage_config(config, sets, **{"store.uri": store, "run.sync": sync or None})
+    if launcher not in ("local", "ray"):
+        raise ValueError(f"--launcher {launcher!r}: use local or ray")
+    cfg = stage_config(config, sets, **{"store.uri": store, "run.sync": sync or None, "ray.address": address})
     if cfg.run.sync:
         cfg = sync_overrides(cfg)
     logs = logs or default_logs_dir(cfg.store.uri)
     resolved = write_resolved_config(cfg, logs / "config.yaml")
+    if launcher == "ray":
+        from opd_cache.ray_launcher import supervise_ray
+
+        raise typer.Exit(supervise_ray(cfg, resolved, logs, quiet=quiet))
     raise typer.Exit(supervise(cfg, resolved, logs, quiet=quiet))
 
 

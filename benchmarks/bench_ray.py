@@ -71,7 +71,7 @@ def annotate_under_ray(root: Path, workers: int, shards: int, rows: int) -> dict
 
     from opd_cache.ray_launcher import StageWorker
 
-    store = make_store(str(root / f"store-{workers}"), shards, rows)
+    store = make_store(str(root / f"store-{workers}"), 0, rows)  # run.json only: the shards come once all are up
     config = root / f"config-{workers}.yaml"
     config.write_text(yaml.safe_dump({"store": {"uri": store.uri}, "annotate": {"teacher": str(TEACHER), "top_k": 8}}))
     env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
@@ -85,8 +85,13 @@ def annotate_under_ray(root: Path, workers: int, shards: int, rows: int) -> dict
         )
         actors.append(actor)
         refs.append(actor.run.remote())
-    while len(store.list_annotated_parts()) < shards:
+    # every worker loaded its teacher and polls (its first progress line): only then the shards, all at once
+    logs = [root / f"a{workers}-{i}.log" for i in range(workers)]
+    while not all(log.exists() and "pending" in log.read_text() for log in logs):
         time.sleep(0.2)
+    make_store(store.uri, shards, rows)
+    while len(store.list_annotated_parts()) < shards:
+        time.sleep(0.05)
     store.mark_done()
     ray.get(refs)
     records = [
@@ -189,8 +194,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-launchers", action="store_true", help="Only (a) and (b).")
+    parser.add_argument("--shards", type=int, default=None, help="Rollout shards of (a) and (b) (default 24).")
     args = parser.parse_args()
     shards, rows, steps = (6, 8, 2) if args.quick else (24, 16, 4)
+    shards = args.shards or shards
     results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "shards": shards, "rows": rows}
     import ray
 

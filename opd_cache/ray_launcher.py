@@ -181,7 +181,8 @@ class RayLauncher:
             return RayStage(name, argv, log_path, resources, world_size=self.cfg.ray.train_world_size)
         return RayStage(name, argv, log_path, resources, ray_restarts=self.cfg.run.max_restarts)
 
-    def start(self, stage: RayStage) -> None:
+    def create(self, stage: RayStage) -> None:
+        """The stage's actors, before its command may start: Ray starts their worker processes meanwhile."""
         ray = self.ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -207,6 +208,12 @@ class RayLauncher:
                     stage.name, stage.argv, str(log), str(self.config_path), self.config_text, self.env
                 )
             )
+
+    def start(self, stage: RayStage) -> None:
+        """Run the stage's command in its actors (created here unless `create` did it already)."""
+        ray = self.ray
+        if not stage.actors:
+            self.create(stage)
         if stage.world_size == 1:
             stage.refs = [stage.actors[0].run.remote()]
             return
@@ -313,13 +320,13 @@ class RayLauncher:
                     for stage in self.stages:
                         failure = failure or self.poll(stage, now, cfg.run.max_restarts)
                     for stage in self.stages:
-                        if (
-                            not stage.refs
-                            and not (stage.finished or stage.failed or stage.removed)
-                            and now >= stage.next_start
-                            and (stage.name.startswith("rollout") or store.exists("run.json"))
-                        ):
-                            self.start(stage)
+                        if stage.refs or stage.finished or stage.failed or stage.removed:
+                            continue
+                        if stage.name.startswith("rollout") or store.exists("run.json"):
+                            if now >= stage.next_start:
+                                self.start(stage)
+                        elif not stage.actors:
+                            self.create(stage)  # waits for run.json: its worker process starts meanwhile
                     display.update()
                     trainer = next(s for s in self.stages if s.name == "train")
                     if failure or trainer.finished:

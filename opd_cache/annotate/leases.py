@@ -70,8 +70,9 @@ class Lease:
 
     def superseded(self) -> bool:
         """A newer generation exists: another worker took this shard over after our lease expired."""
-        if not self.lost and self.book.store.exists(self.book.lease_path(self.shard_id, self.generation + 1)):
-            self.lost = True
+        if not self.lost:
+            self.book.requests["check"] += 1
+            self.lost = self.book.store.exists(self.book.lease_path(self.shard_id, self.generation + 1))
         return self.lost
 
     def renew(self) -> bool:

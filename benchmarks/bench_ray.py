@@ -1,17 +1,21 @@
 """Scale-out on Ray: annotate throughput with 1/2/3 workers, lease requests per shard on S3, Ray vs local launcher.
 
-    python benchmarks/bench_ray.py            # 24 shards x 16 rows; the tiny run of tests/test_run.py, 4 steps
-    python benchmarks/bench_ray.py --quick    # a smoke run
+    python benchmarks/bench_ray.py --shards 96                # docs/benchmarks.md: (a), (b), and (c) at 4 steps
+    python benchmarks/bench_ray.py --only-launchers --steps 40  # docs/benchmarks.md: (c) on a longer run
+    python benchmarks/bench_ray.py --only-launchers --demo --steps 200  # (c) on the demo's config
+    python benchmarks/bench_ray.py --quick                    # a smoke run
 
 (a) Annotate throughput under Ray: N annotate actors (`opd annotate --follow`, leases) on one store of rollout
     shards, from the first part to the last (model loading excluded): response tokens per second, and the
-    ratio to one worker. Shipped tiny teacher (data/models/teacher), CPU; each worker one thread.
+    ratio to one worker. The shards are written only once every worker has loaded its teacher and polls (Ray
+    starts actors one after another). Shipped tiny teacher (data/models/teacher), CPU; one thread per worker.
 (b) Lease requests per shard: one `Annotator` on an S3 store (a moto server on 127.0.0.1), the lease requests
     it made (LIST per poll, create, read-back, renew, check, delete) divided by the shards it annotated.
 (c) `opd run` wall time on the tiny config (4 steps), local launcher vs `--launcher ray` (its own one-machine
     Ray, started and stopped inside the run): ratio ray / local, target <= 1.1.
 
-Results: tables on stdout and benchmarks/results/bench_ray.json.
+Results: tables on stdout and benchmarks/results/bench_ray.json (bench_ray_launchers_<steps>.json for
+--only-launchers).
 """
 
 from __future__ import annotations
@@ -178,9 +182,24 @@ def tiny_run_config(root: Path, steps: int) -> Path:
     return path
 
 
-def launcher_wall_time(root: Path, launcher: str, steps: int) -> float:
+def demo_run_config(root: Path, steps: int) -> Path:
+    """examples/arithmetic_cpu/config.yaml (the demo's) with `steps` steps, no evaluator, paths made absolute."""
+    config = yaml.safe_load((REPO / "examples/arithmetic_cpu/config.yaml").read_text())
+    config["store"]["uri"] = str(root / "store")
+    for section, key in (("rollout", "student"), ("rollout", "prompts"), ("annotate", "teacher")):
+        config[section][key] = str(REPO / config[section][key])
+    config["train"]["max_steps"] = steps
+    config.setdefault("run", {})["evaluate"] = False
+    Config.model_validate(config)
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def launcher_wall_time(root: Path, launcher: str, steps: int, demo: bool = False) -> float:
     root.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "opd_cache.cli", "run", "--config", str(tiny_run_config(root, steps)), "--quiet"]
+    config = demo_run_config(root, steps) if demo else tiny_run_config(root, steps)
+    cmd = [sys.executable, "-m", "opd_cache.cli", "run", "--config", str(config), "--quiet"]
     cmd += ["--launcher", launcher, "--logs", str(root / "logs")]
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -195,14 +214,28 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-launchers", action="store_true", help="Only (a) and (b).")
     parser.add_argument("--shards", type=int, default=None, help="Rollout shards of (a) and (b) (default 24).")
+    parser.add_argument("--steps", type=int, default=None, help="Trainer steps of (c) (default 4).")
+    parser.add_argument("--only-launchers", action="store_true", help="Only (c).")
+    parser.add_argument("--demo", action="store_true", help="(c) on the demo's config (--steps of its 800).")
     args = parser.parse_args()
     shards, rows, steps = (6, 8, 2) if args.quick else (24, 16, 4)
     shards = args.shards or shards
+    steps = args.steps or steps
     results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "shards": shards, "rows": rows}
     import ray
 
     with tempfile.TemporaryDirectory(prefix="bench-ray-") as tmp:
         root = Path(tmp)
+        if args.only_launchers:
+            local = launcher_wall_time(root / "local", "local", steps, args.demo)
+            on_ray = launcher_wall_time(root / "ray", "ray", steps, args.demo)
+            results["launchers"] = {"steps": steps, "local_s": local, "ray_s": on_ray, "ratio": on_ray / local}
+            results["launchers"]["config"] = "demo" if args.demo else "tiny"
+            print(f"(c) opd run, {steps} steps: local {local:.1f} s, ray {on_ray:.1f} s, ratio {on_ray / local:.2f}x")
+            out = REPO / f"benchmarks/results/bench_ray_launchers_{'demo_' if args.demo else ''}{steps}.json"
+            out.write_text(json.dumps(results, indent=2) + "\n")
+            print(f"wrote {out}")
+            return
         ray.init(
             num_cpus=3,
             include_dashboard=False,

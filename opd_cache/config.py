@@ -100,7 +100,15 @@ class AnnotateConfig(Section):
     max_tokens_per_batch: int = Field(16384, ge=1, description="padded tokens per forward pass (hf engine)")
     max_shards: int | None = Field(None, ge=1, description="stop after annotating this many shards")
     worker_index: int = Field(0, ge=0, description="this worker's index i in 0..n-1")
-    num_workers: int = Field(1, ge=1, description="workers n sharing the shards (stable hash of the shard id)")
+    num_workers: int = Field(
+        1, ge=1, description="> 1: the static split (crc32 of the shard id) over n workers; 1: claim shards by leases"
+    )
+    worker_id: str | None = Field(
+        None, description="this worker's name in leases and metrics (None: <teacher_name>-<worker_index>)"
+    )
+    lease_seconds: float | None = Field(
+        30.0, gt=0, description="a shard's lease expiry (None: no leases, take every shard)"
+    )
     engine: Literal["hf", "vllm"] = Field("hf", description="scoring engine")
     device: str = Field("auto", description="auto: cuda if available, else cpu")
     attn_implementation: str = Field(
@@ -288,6 +296,33 @@ class RunConfig(Section):
 STAGES_WITH_STALENESS = ("rollout", "annotate", "train")
 
 
+class StageResources(Section):
+    """What one worker of a stage asks Ray for (`opd run --launcher ray`)."""
+
+    num_cpus: float = Field(1.0, ge=0, description="CPUs one worker asks Ray for")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs one worker asks Ray for")
+    resources: dict[str, float] = Field({}, description='custom Ray resources, e.g. {"teacher_node": 1}')
+
+
+class RayConfig(Section):
+    """`opd run --launcher ray`: stages as Ray actors (docs/scale-out.md)."""
+
+    address: str | None = Field(
+        None, description='a running cluster ("auto", "ray://head:10001"); None: start one on this machine'
+    )
+    rollout: StageResources = StageResources()
+    annotate: StageResources = StageResources()
+    train: StageResources = StageResources()
+    eval: StageResources = StageResources()
+    train_world_size: int = Field(1, ge=1, description="trainer ranks (FSDP2), one actor each, in one placement group")
+    scale_poll_seconds: float = Field(
+        2.0, gt=0, description="how often the launcher reads `opd scale`'s desired counts"
+    )
+    shared_filesystem: bool = Field(
+        False, description="a local store path that every node mounts (else: refused on a multi-node cluster)"
+    )
+
+
 class Config(Section):
     max_staleness: int = Field(
         DEFAULT_MAX_STALENESS,
@@ -301,6 +336,7 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     run: RunConfig = RunConfig()
+    ray: RayConfig = RayConfig()
 
     @model_validator(mode="after")
     def _one_max_staleness(self):

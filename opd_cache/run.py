@@ -109,10 +109,8 @@ def stage_commands(cfg: Config, config_path: Path, logs: Path) -> list[StageProc
                         str(path),
                         "--teacher-name",
                         name,
-                        "--worker-index",
-                        str(i),
-                        "--num-workers",
-                        str(cfg.run.annotate_workers),
+                        "--set",
+                        f"annotate.worker_id={name}-{i}",  # shards are claimed by leases (annotate/leases.py)
                         "--follow",
                     ],
                     logs / f"annotate-{name}-{i}.log",

@@ -14,8 +14,10 @@ Properties the rest of the system relies on:
   (the student's), and the teacher records itself (model, top_k, routing) in
   `run/teachers/<name>.json` (a create-if-absent object, never run.json) so
   that a contradicting worker fails instead of writing incompatible parts.
-- **No coordinator:** worker i of n takes the shards whose crc32(shard_id) % n
-  is i. crc32 is stable across processes and machines (Python's `hash` is salted).
+- **No coordinator:** workers claim shards through leases in the store
+  (annotate/leases.py), so they can join and leave at any time; or, with
+  `num_workers` n > 1, worker i takes the shards whose crc32(shard_id) % n is i
+  (crc32 is stable across processes and machines; Python's `hash` is salted).
 - **Idempotent:** the output name depends only on (shard, teacher); a part
   that exists is never rewritten, and rewriting one would give the same bytes.
   Killed mid-shard, a worker leaves at most an ignored `*.tmp-*` file.
@@ -38,6 +40,7 @@ import pyarrow.compute as pc
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from opd_cache.annotate.leases import LeaseBook
 from opd_cache.codec import META_ID_BITS, encode_annotation
 from opd_cache.config import AnnotateConfig
 from opd_cache.engine import engine_fields
@@ -202,7 +205,14 @@ class Annotator:
         self.max_staleness = cfg.max_staleness  # the configuration's one bound (opd_cache/staleness.py)
         self.union_support = cfg.engine == "hf"  # vLLM cannot gather log-probs at arbitrary ids
         self._warned_no_support = False
-        self.metrics = MetricsLog(store, "annotate", f"{self.teacher}-{cfg.worker_index}")
+        worker = cfg.worker_id or f"{self.teacher}-{cfg.worker_index}"
+        self.metrics = MetricsLog(store, "annotate", worker)
+        # one worker of n (static split) takes its shards unasked; otherwise every shard is claimed by a lease
+        self.leases = (
+            LeaseBook(store, self.teacher, worker, cfg.lease_seconds)
+            if cfg.num_workers == 1 and cfg.lease_seconds is not None
+            else None
+        )
         self.console = console or Console(stderr=True)
         self.show_progress = self.console.is_terminal if progress is None else progress
         # not on a terminal (the log file of `opd run`): a plain line every ~10 s instead of the bar
@@ -222,6 +232,8 @@ class Annotator:
         """
         shards = self._watch.poll(*staleness_window(self.store.latest_version(), self.max_staleness))
         self._scored_since_poll = set()
+        if self.leases is not None:
+            self.leases.poll()
         parts = self._watch.parts
         return [
             s
@@ -326,6 +338,15 @@ class Annotator:
         part = self.store.annotated_path(info.shard_id, self.teacher)
         if self.store.exists(part):  # written since the listing (a restarted or duplicate worker)
             return False
+        if self.leases is None:
+            return self._score_shard(info, part, backlog, lease=None)
+        lease = self.leases.claim(info.shard_id)
+        if lease is None:
+            return False  # another live worker holds its lease
+        with lease:  # renewed while scoring, deleted afterwards
+            return self._score_shard(info, part, backlog, lease)
+
+    def _score_shard(self, info: ShardInfo, part: str, backlog: int, lease) -> bool:
         start = time.perf_counter()
         try:
             table, meta = read_shard(self.store, info.path, kind=ROLLOUT, run=self.run_info)
@@ -367,6 +388,11 @@ class Annotator:
             out, codec_meta = encode_annotation(out, self.vocab_size)
             out_meta.codec, out_meta.codec_id_bits = "packed", int(codec_meta[META_ID_BITS])
         compression = None if self.cfg.compression == "none" else self.cfg.compression
+        if lease is not None and (not lease.still_mine() or self.store.exists(part)):
+            # frozen past the expiry and taken over: only the current holder publishes (annotate/leases.py)
+            self.metrics.log({"event": "lease_lost", "shard_id": info.shard_id}, flush=True)
+            self.console.print(f"lease lost: {info.shard_id} (taken over by another worker)", highlight=False)
+            return False
         write_shard(self.store, part, out, out_meta, compression=compression)
         self.scored_rows[info.shard_id] = table.num_rows  # coverage for pacing before the next listing shows it
         self._scored_since_poll.add(info.shard_id)

@@ -16,6 +16,7 @@ from opd_cache.cli import (  # noqa: F401  (importing a command's module registe
     report,
     rollout,
     run,
+    scale,  # noqa: F401  (registers `opd scale`)
     train,
     verify,
 )

@@ -16,21 +16,31 @@ def default_logs_dir(store_uri: str) -> Path:
 
 @app.command("run")
 @user_errors
-@config_flags("run", sections=("store", "rollout", "annotate", "train", "eval", "run"), own_section="run")
+@config_flags("run", sections=("store", "rollout", "annotate", "train", "eval", "run", "ray"), own_section="run")
 def run_command(
     logs: Path | None = typer.Option(None, "--logs", help="Folder for the stages' logs and the resolved config."),
     quiet: bool = typer.Option(
         False, "--quiet", help="No live dashboard (on a terminal) or progress lines (otherwise: one every ~10 s)."
     ),
+    launcher: str = typer.Option("local", "--launcher", help="local (processes here) or ray (docs/scale-out.md)."),
+    address: str | None = typer.Option(None, "--address", help="Ray cluster to join (--launcher ray; ray.address)."),
     *,
     args: ConfigArgs,
 ) -> None:
     """Start rollout, annotate, train and an evaluator as processes on one store, until training finishes."""
     from opd_cache.run import supervise, sync_overrides, write_resolved_config
 
+    if launcher not in ("local", "ray"):
+        raise ValueError(f"--launcher {launcher!r}: use local or ray")
+    if address is not None:
+        args.flags["ray.address"] = address
     cfg = args.resolve(adjust=lambda cfg: sync_overrides(cfg) if cfg.run.sync else cfg)
     logs = logs or default_logs_dir(cfg.store.uri)
     resolved = write_resolved_config(cfg, logs / "config.yaml")
+    if launcher == "ray":
+        from opd_cache.ray_launcher import supervise_ray
+
+        raise typer.Exit(supervise_ray(cfg, resolved, logs, quiet=quiet))
     raise typer.Exit(supervise(cfg, resolved, logs, quiet=quiet))
 
 

@@ -1,0 +1,29 @@
+"""`opd scale`: change the number of rollout / annotate workers of a running `opd run --launcher ray`."""
+
+from __future__ import annotations
+
+import typer
+
+from opd_cache.cli.common import app, console, user_errors
+
+
+@app.command("scale")
+@user_errors
+def scale_command(
+    store: str = typer.Option(..., "--store", help="The run's store directory or URI."),
+    rollout: int | None = typer.Option(None, "--rollout", min=1, help="Rollout workers wanted."),
+    annotate: int | None = typer.Option(None, "--annotate", min=1, help="Annotate workers wanted (per teacher)."),
+    s3_endpoint: str | None = typer.Option(None, "--s3-endpoint", help="S3-compatible server (store.s3_endpoint)."),
+) -> None:
+    """Write the wanted worker counts to the store; the Ray launcher adds or removes workers within seconds."""
+    from opd_cache.ray_launcher import SCALE_FILE
+    from opd_cache.store import Store
+
+    if rollout is None and annotate is None:
+        raise ValueError("opd scale: give --rollout N and/or --annotate N")
+    target = Store(store, s3_endpoint=s3_endpoint)
+    target.require_run()  # a run's store, not a typo
+    desired = dict(target.read_json(SCALE_FILE, default={}) or {})
+    desired.update({k: v for k, v in (("rollout", rollout), ("annotate", annotate)) if v is not None})
+    target.write_json(SCALE_FILE, desired)
+    console.print(f"{target.path(SCALE_FILE)}: {desired}", highlight=False, soft_wrap=True)

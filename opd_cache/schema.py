@@ -5,7 +5,7 @@ Shards are Arrow IPC *stream* files (uncompressed by default), so
 without this package, and local reads are zero-copy through a memory map.
 
 The columns themselves (their Arrow types, building and reading them as numpy) are in
-opd_cache/columns.py; this module re-exports those names, so `from opd_cache.schema import ragged` works.
+opd_cache/columns.py; this module re-exports the ones other modules import from here (`__all__`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from opd_cache.columns import (
     annotated_schema,
     flat_values,
     list_lengths,
-    offsets_from_lengths,
     ragged,
     ragged_fixed,
     rollout_schema,
@@ -40,7 +39,6 @@ __all__ = [  # the names other modules import from here that live in columns.py 
     "annotated_schema",
     "flat_values",
     "list_lengths",
-    "offsets_from_lengths",
     "ragged",
     "ragged_fixed",
     "rollout_schema",

@@ -36,18 +36,22 @@ def response_logprobs(model, prompts: list[np.ndarray], responses: list[np.ndarr
     return out
 
 
-def write_rollout_shard(store: Store, run: dict, shard_id: str, table, *, student_topk: int = 0) -> str:
-    """Publish a rollout table as shard `shard_id` of `run` (policy version from the id); returns its store path."""
-    rel = store.rollout_path(shard_id)
-    meta = ShardMeta(
-        kind=ROLLOUT,
+def shard_meta(run: dict, shard_id: str, kind: str, **fields) -> ShardMeta:
+    """The metadata of shard `shard_id` of `run` (its policy version from the id); `fields`: the kind's own."""
+    return ShardMeta(
+        kind=kind,
         run_id=run["run_id"],
         tokenizer_fingerprint=run["tokenizer_fingerprint"],
         shard_id=shard_id,
         policy_version=parse_shard_id(shard_id)[0],
-        student_topk=student_topk,
+        **fields,
     )
-    write_shard(store, rel, table, meta)
+
+
+def write_rollout_shard(store: Store, run: dict, shard_id: str, table, *, student_topk: int = 0) -> str:
+    """Publish a rollout table as shard `shard_id` of `run`; returns its store path."""
+    rel = store.rollout_path(shard_id)
+    write_shard(store, rel, table, shard_meta(run, shard_id, ROLLOUT, student_topk=student_topk))
     return rel
 
 
@@ -65,16 +69,7 @@ def write_annotated_part(
 ) -> str:
     """Publish `teacher`'s annotated part of shard `shard_id` (at `rel`, default its store path); returns the path."""
     rel = rel or store.annotated_path(shard_id, teacher)
-    meta = ShardMeta(
-        kind=ANNOTATED,
-        run_id=run["run_id"],
-        tokenizer_fingerprint=run["tokenizer_fingerprint"],
-        shard_id=shard_id,
-        policy_version=parse_shard_id(shard_id)[0],
-        top_k=top_k,
-        teacher=teacher,
-        student_topk=student_topk,
-    )
+    meta = shard_meta(run, shard_id, ANNOTATED, top_k=top_k, teacher=teacher, student_topk=student_topk)
     write_shard(store, rel, table, meta, compression=compression)
     return rel
 

@@ -31,7 +31,6 @@ Results: tables on stdout and benchmarks/results/bench_annotate.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import tempfile
@@ -43,6 +42,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from common import write_results
 
 from opd_cache.annotate import Annotator
 from opd_cache.annotate.hf_score import HFScorer, plan_batches
@@ -295,9 +296,7 @@ def main() -> None:
         }
     report["table"] = print_tables(report)
     if not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nwrote {RESULTS.relative_to(ROOT)}")
+        write_results(RESULTS, report)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ Results: tables on stdout and benchmarks/results/bench_annotate.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import tempfile
@@ -44,22 +43,21 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common import write_results
+
 from opd_cache.annotate import Annotator
 from opd_cache.annotate.hf_score import HFScorer, plan_batches
 from opd_cache.config import AnnotateConfig
 from opd_cache.models import build_tiny_model, save_causal_lm
 from opd_cache.schema import (
-    ANNOTATED,
-    ROLLOUT,
-    ShardMeta,
     annotated_table,
     flat_values,
     list_lengths,
     read_shard,
     rollout_table,
-    write_shard,
 )
 from opd_cache.store import Store, make_shard_id
+from opd_cache.testing import write_annotated_part, write_rollout_shard
 from opd_cache.tokenizer import tokenizer_fingerprint
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_annotate.json"
@@ -104,18 +102,7 @@ def make_store(root: Path, args) -> tuple[Store, Path]:
             policy_version=0,
             finish_reason=["stop"] * n,
         )
-        write_shard(
-            store,
-            store.rollout_path(shard_id),
-            table,
-            ShardMeta(
-                kind=ROLLOUT,
-                run_id=run["run_id"],
-                tokenizer_fingerprint=run["tokenizer_fingerprint"],
-                shard_id=shard_id,
-                policy_version=0,
-            ),
-        )
+        write_rollout_shard(store, run, shard_id, table)
     return store, teacher
 
 
@@ -219,20 +206,8 @@ def storage(store: Store, teacher: Path, args) -> list[dict]:
                         )
                         shard_id = make_shard_id(0, "w00", seq)
                         rel = f"annotated/{shard_id}/k{k}-{dtype}-{compression}.arrow"
-                        write_shard(
-                            out,
-                            rel,
-                            table,
-                            ShardMeta(
-                                kind=ANNOTATED,
-                                run_id=run["run_id"],
-                                tokenizer_fingerprint=run["tokenizer_fingerprint"],
-                                shard_id=shard_id,
-                                policy_version=0,
-                                top_k=k,
-                                teacher="teacher",
-                            ),
-                            compression=compression,
+                        write_annotated_part(
+                            out, run, shard_id, "teacher", table, top_k=k, rel=rel, compression=compression
                         )
                         size += out.fs.get_file_info(out.path(rel)).size
                     results.append(
@@ -321,9 +296,7 @@ def main() -> None:
         }
     report["table"] = print_tables(report)
     if not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nwrote {RESULTS.relative_to(ROOT)}")
+        write_results(RESULTS, report)
 
 
 if __name__ == "__main__":

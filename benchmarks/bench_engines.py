@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import sys
@@ -38,6 +37,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from common import write_results
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from opd_cache.annotate.hf_score import HFScorer
@@ -208,9 +210,7 @@ def main() -> None:
         "kv_cache_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"],
     }
     if not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {RESULTS.relative_to(ROOT)}")
+        write_results(RESULTS, result)
 
 
 if __name__ == "__main__":

@@ -44,10 +44,11 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from common import child_json, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "bench_losses.json"
@@ -141,10 +142,7 @@ def spawn(variant: str, n: int, vocab: int, hidden: int, chunk_size: int, repeat
     cmd = [sys.executable, __file__, "--worker", variant, "--sizes", f"{n},{vocab},{hidden}",
            "--chunk-size", str(chunk_size), "--repeats", str(repeats), "--threads", str(threads)]  # fmt: skip
     print(f"  N={n} V={vocab} {variant} ...", file=sys.stderr, flush=True)
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise SystemExit(f"{variant} at N={n}, V={vocab} failed:\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return child_json(cmd, f"{variant} at N={n}, V={vocab}")
 
 
 def main() -> None:
@@ -207,12 +205,10 @@ def main() -> None:
             f"{r.get('cpu_time_ratio', float('nan')):>9.3f} {r['time_s']:>7.2f} {r.get('time_ratio', float('nan')):>10.3f} "
             f"{r.get('loss_abs_diff_vs_naive', float('nan')):>8.1e}"
         )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
     meta = {"quick": args.quick, "machine": platform.machine(), "python": platform.python_version(),
             "top_k": TOP_K, "repeats": args.repeats, "rounds": args.rounds, "threads": args.threads,
             "dtype": "float32", "device": "cpu", "cpus": os.cpu_count()}  # fmt: skip
-    RESULTS.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    write_results(RESULTS, {"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

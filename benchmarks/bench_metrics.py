@@ -29,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common import write_results
+
 from opd_cache.metrics import SEGMENT_BYTES, MetricsLog, read_metrics
 from opd_cache.store import Store
 
@@ -178,15 +180,10 @@ def main() -> None:
             f"{new['tail_ms_per_flush']:.2f} ms | {old['bytes_written'] / 1e6:.1f} | "
             f"{new['bytes_written'] / 1e6:.2f} | {new['read_s'] * 1e3:.0f} ms | {new['objects']} |"
         )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {"machine": platform.platform(), "cpus": os.cpu_count(), "segment_bytes": SEGMENT_BYTES, "rows": rows},
-            indent=2,
-        )
-        + "\n"
+    write_results(
+        RESULTS,
+        {"machine": platform.platform(), "cpus": os.cpu_count(), "segment_bytes": SEGMENT_BYTES, "rows": rows},
     )
-    print(f"\nwrote {RESULTS.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

@@ -37,11 +37,12 @@ import json
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import child_json, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "bench_rollout.json"
@@ -190,15 +191,7 @@ def prepare(workdir: Path, num_prompts: int, n: int, max_new: int, batch_prompts
 
 
 def measure(side: str, spec: Path, threads: int) -> dict:
-    out = subprocess.run(
-        [sys.executable, __file__, "--side", side, "--spec", str(spec), "--threads", str(threads)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"{side} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return child_json([sys.executable, __file__, "--side", side, "--spec", str(spec), "--threads", str(threads)], side)
 
 
 def main() -> None:
@@ -268,37 +261,32 @@ def main() -> None:
     print(ratio_row("tokens/s wall, median", median_tps, ratios["throughput_wall_median"]))
     print(ratio_row("peak RSS MiB", peak, ratios["peak_rss"], targets["peak_rss"], met["peak_rss"]))
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "benchmark": "bench_rollout",
-                "settings": {
-                    "prompts": args.prompts,
-                    "n": args.n,
-                    "max_new_tokens": args.max_new_tokens,
-                    "batch_prompts": args.batch_prompts,
-                    "threads": args.threads,
-                    "repeats": args.repeats,
-                    "model_parameters": spec["parameters"],
-                    "model": MODEL,
-                    "device": "cpu",
-                },
-                "tokens_per_cpu_second_median": cpu_tps,
-                "tokens_per_s_best": best_tps,
-                "tokens_per_s_median": median_tps,
-                "peak_rss_mib": peak,
-                "ratios": ratios,
-                "targets": targets,
-                "met": met,
-                "rounds": rounds,
-                "machine": {"python": platform.python_version(), "platform": platform.platform()},
+    write_results(
+        RESULTS,
+        {
+            "benchmark": "bench_rollout",
+            "settings": {
+                "prompts": args.prompts,
+                "n": args.n,
+                "max_new_tokens": args.max_new_tokens,
+                "batch_prompts": args.batch_prompts,
+                "threads": args.threads,
+                "repeats": args.repeats,
+                "model_parameters": spec["parameters"],
+                "model": MODEL,
+                "device": "cpu",
             },
-            indent=2,
-        )
-        + "\n"
+            "tokens_per_cpu_second_median": cpu_tps,
+            "tokens_per_s_best": best_tps,
+            "tokens_per_s_median": median_tps,
+            "peak_rss_mib": peak,
+            "ratios": ratios,
+            "targets": targets,
+            "met": met,
+            "rounds": rounds,
+            "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        },
     )
-    print(f"\nwrote {RESULTS.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

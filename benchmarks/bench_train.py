@@ -25,7 +25,6 @@ Results: a table on stdout and benchmarks/results/bench_train.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shutil
 import statistics
@@ -39,6 +38,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from common import write_results
 
 from opd_cache.store import Store, make_shard_id
 from opd_cache.testing import write_synthetic_shard
@@ -232,33 +233,28 @@ def main() -> None:
     print(f"{'measure'.ljust(width)}  {'value':>14}  target")
     for name, value, target in rows:
         print(f"{name.ljust(width)}  {value:>14}  {target}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "quick": args.quick,
-                "machine": platform.platform(),
-                "torch_threads": torch.get_num_threads(),
-                "reader": {
-                    **read,
-                    "vocab": vocab,
-                    "top_k": top_k,
-                    "ranks": 8,
-                    **{k: list(v) if isinstance(v, tuple) else v for k, v in reader.items()},
-                },
-                "steps": {
-                    **step,
-                    "vocab": train_vocab,
-                    **{k: list(v) if isinstance(v, tuple) else v for k, v in steps.items()},
-                    **step_cfg,
-                },
-                "targets": {"reader_tokens_per_s": 1_000_000, "streaming_over_preloaded": 1.05},
+    write_results(
+        RESULTS,
+        {
+            "quick": args.quick,
+            "machine": platform.platform(),
+            "torch_threads": torch.get_num_threads(),
+            "reader": {
+                **read,
+                "vocab": vocab,
+                "top_k": top_k,
+                "ranks": 8,
+                **{k: list(v) if isinstance(v, tuple) else v for k, v in reader.items()},
             },
-            indent=2,
-        )
-        + "\n"
+            "steps": {
+                **step,
+                "vocab": train_vocab,
+                **{k: list(v) if isinstance(v, tuple) else v for k, v in steps.items()},
+                **step_cfg,
+            },
+            "targets": {"reader_tokens_per_s": 1_000_000, "streaming_over_preloaded": 1.05},
+        },
     )
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

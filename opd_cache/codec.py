@@ -40,7 +40,7 @@ import math
 import numpy as np
 import pyarrow as pa
 
-from opd_cache.schema import (
+from opd_cache.columns import (
     ShardError,
     annotated_schema,
     flat_values,

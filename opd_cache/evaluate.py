@@ -97,6 +97,19 @@ def sequence_kl(
     return total, count
 
 
+def eval_engine(model_path, tokenizer, device: str = "auto", seed: int = 0) -> HFGenerator:
+    """The hf engine that evaluates checkpoints (stops at the tokenizer's EOS, samples only its vocabulary)."""
+    return HFGenerator(
+        model_path,
+        tokenizer=tokenizer,
+        device=device,
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        vocab_limit=len(tokenizer),
+        seed=seed,
+    )
+
+
 def evaluate_model(
     student_path: str | os.PathLike,
     prompts: PromptSet,
@@ -112,15 +125,7 @@ def evaluate_model(
 ) -> EvalResult:
     """Score one student checkpoint on `prompts` (pass `engine` to reuse a loaded model)."""
     if engine is None:
-        engine = HFGenerator(
-            student_path,
-            tokenizer=tokenizer,
-            device=device,
-            eos_token_ids=[tokenizer.eos_token_id],
-            pad_token_id=tokenizer.pad_token_id,
-            vocab_limit=len(tokenizer),
-            seed=seed,
-        )
+        engine = eval_engine(student_path, tokenizer, device, seed=seed)
     else:
         engine.load_policy(student_path)
     # greedy = sampling from the top-1 distribution: one code path for both
@@ -219,14 +224,7 @@ def evaluate_store(
                 continue  # deleted by retention while its hold had expired (an evaluator stopped for long)
             path = run.student if version == 0 else _policy_folder(store, version)
             if engine is None:
-                engine = HFGenerator(
-                    path,
-                    tokenizer=tokenizer,
-                    device=device,
-                    eos_token_ids=[tokenizer.eos_token_id],
-                    pad_token_id=tokenizer.pad_token_id,
-                    vocab_limit=len(tokenizer),
-                )
+                engine = eval_engine(path, tokenizer, device)
             tic = time.monotonic()
             result = evaluate_model(
                 path, prompts, tokenizer, teacher=teacher, max_new_tokens=max_new_tokens, engine=engine

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import xxhash
 
+from opd_cache.layout import ANNOTATED, COMPLETE_MARKER, POLICY, QUARANTINE, REASON_SUFFIX, ROLLOUTS, TRAIN_STATE
+
 ALGORITHM = "xxh3_64"
 TRAILER_MAGIC = b"OPDXXH3\x01"
 TRAILER = struct.Struct("<QQ8s")  # checksum, payload length, magic
@@ -123,7 +125,7 @@ def manifest_for(folder: Path, names: list[str] | None = None) -> dict:
         names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     files = {}
     for name in names:
-        if name in (MANIFEST, "_COMPLETE"):
+        if name in (MANIFEST, COMPLETE_MARKER):
             continue
         data = (folder / name).read_bytes()
         files[name] = {"size": len(data), ALGORITHM: checksum(data)}
@@ -236,8 +238,8 @@ class VerifyReport:
         }
 
 
-SHARD_FOLDERS = ("rollouts/", "annotated/")
-CHECKPOINT_FOLDERS = ("policy/", "train/state/")
+SHARD_FOLDERS = (f"{ROLLOUTS}/", f"{ANNOTATED}/")
+CHECKPOINT_FOLDERS = (f"{POLICY}/", f"{TRAIN_STATE}/")
 
 
 def verify_store(store, on_file=None) -> VerifyReport:
@@ -252,11 +254,15 @@ def verify_store(store, on_file=None) -> VerifyReport:
     root = store.path("") + "/"
     files = sorted(info.path[len(root) :] for info in store.list_files("", recursive=True))
     folders = sorted(
-        {rel.rsplit("/", 1)[0] for rel in files if rel.endswith("/_COMPLETE") and rel.startswith(CHECKPOINT_FOLDERS)}
+        {
+            rel.rsplit("/", 1)[0]
+            for rel in files
+            if rel.endswith(f"/{COMPLETE_MARKER}") and rel.startswith(CHECKPOINT_FOLDERS)
+        }
     )
     for rel in files:
-        if rel.startswith("quarantine/") and rel.endswith(".reason.txt"):
-            name = rel[len("quarantine/") : -len(".reason.txt")]
+        if rel.startswith(f"{QUARANTINE}/") and rel.endswith(REASON_SUFFIX):
+            name = rel[len(QUARANTINE) + 1 : -len(REASON_SUFFIX)]
             report.quarantined[name] = store.read_bytes(rel).decode(errors="replace").strip()
         if not (rel.endswith(".arrow") and rel.startswith(SHARD_FOLDERS)):
             continue

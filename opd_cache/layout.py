@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+SCHEMA_VERSION = 1  # the shard format: in every shard's metadata (checked on read) and in run.json
 RUN_JSON = "run.json"
 TEACHERS_DIR = "run/teachers"
 ROLLOUTS = "rollouts"

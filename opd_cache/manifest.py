@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from opd_cache.layout import RUN_JSON, TEACHERS_DIR, StoreError, validate_name
+from opd_cache.layout import RUN_JSON, SCHEMA_VERSION, TEACHERS_DIR, StoreError, validate_name
 
 if TYPE_CHECKING:
     from opd_cache.store import Store
@@ -198,12 +198,6 @@ def plain(value: Any) -> Any:
     return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
-def schema_version() -> int:
-    from opd_cache.schema import SCHEMA_VERSION
-
-    return SCHEMA_VERSION
-
-
 # ---------------------------------------------------------------- reading and writing (the `Store` methods)
 def read_run(store: Store) -> RunManifest | None:
     """run.json combined with the teacher records (opd_cache/manifest.py), or None before run.json exists."""
@@ -229,7 +223,7 @@ def ensure_run(store: Store, **fields: Any) -> RunManifest:
     fields = {k: v for k, v in fields.items() if v is not None}
     run = store.read_run()
     if run is None:
-        new = RunManifest.new(schema_version(), **fields)
+        new = RunManifest.new(SCHEMA_VERSION, **fields)
         store.create_if_absent(RUN_JSON, new.to_json())
         run = store.read_run()
     store.check_run(run, **fields)

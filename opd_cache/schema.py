@@ -1,12 +1,11 @@
-"""Arrow schemas of rollout and annotated shards, their metadata, and their validation.
+"""Rollout and annotated shards: their metadata, writing and reading them, and their validation.
 
 Shards are Arrow IPC *stream* files (uncompressed by default), so
 `datasets.Dataset.from_file`, `pyarrow`, `polars` and `duckdb` read them
 without this package, and local reads are zero-copy through a memory map.
 
-Per-token columns are `list<…>` with one entry per response token; per-token
-top-k columns are `list<fixed_size_list<…, k>>`, so a whole column decodes to a
-dense `[total_tokens, k]` array without any per-row work.
+The columns themselves (their Arrow types, building and reading them as numpy) are in
+opd_cache/columns.py; this module re-exports the ones other modules import from here (`__all__`).
 """
 
 from __future__ import annotations
@@ -18,13 +17,33 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from opd_cache import integrity
+from opd_cache import codec, integrity
+from opd_cache.columns import (
+    ShardError,
+    annotated_schema,
+    flat_values,
+    list_lengths,
+    ragged,
+    ragged_fixed,
+    rollout_schema,
+)
+from opd_cache.layout import SCHEMA_VERSION
 from opd_cache.manifest import RunManifest, as_manifest
 
 if TYPE_CHECKING:
     from opd_cache.store import Store
 
-SCHEMA_VERSION = 1
+__all__ = [  # the names other modules import from here that live in columns.py and layout.py
+    "SCHEMA_VERSION",
+    "ShardError",
+    "annotated_schema",
+    "flat_values",
+    "list_lengths",
+    "ragged",
+    "ragged_fixed",
+    "rollout_schema",
+]
+
 ROLLOUT = "rollout"
 ANNOTATED = "annotated"
 
@@ -45,10 +64,6 @@ META_ENGINE_VERSION = "opd.engine_version"
 META_MODEL_DTYPE = "opd.model_dtype"
 
 
-class ShardError(ValueError):
-    """A shard that cannot be used: truncated, foreign, from another run, or internally inconsistent."""
-
-
 class CorruptShardError(ShardError):
     """The stored bytes are damaged (checksum mismatch, truncation, undecodable): quarantine the file, regenerate.
 
@@ -59,80 +74,6 @@ class CorruptShardError(ShardError):
     def __init__(self, message: str, rel: str):
         super().__init__(message)
         self.rel = rel  # store-relative path of the damaged file
-
-
-def rollout_schema(student_topk: int = 0) -> pa.Schema:
-    fields = [
-        pa.field("sample_id", pa.string(), nullable=False),
-        pa.field("prompt_index", pa.int64(), nullable=False),
-        pa.field("sample_index", pa.int32(), nullable=False),
-        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("behavior_logprobs", pa.list_(pa.float32()), nullable=False),
-        pa.field("policy_version", pa.int32(), nullable=False),
-        pa.field("finish_reason", pa.string(), nullable=False),
-        pa.field("data_source", pa.string()),
-        pa.field("ground_truth", pa.string()),
-        pa.field("extra", pa.string()),
-    ]
-    if student_topk:
-        fields.insert(6, pa.field("student_topk_ids", pa.list_(pa.list_(pa.int32(), student_topk))))
-    return pa.schema(fields)
-
-
-def annotated_schema(top_k: int, logprob_dtype: str = "float32", support_k: int = 0) -> pa.Schema:
-    value_type = {"float16": pa.float16(), "float32": pa.float32()}.get(logprob_dtype)
-    if value_type is None:
-        raise ValueError(f"logprob dtype {logprob_dtype!r} is not supported: use float16 or float32")
-    fields = [
-        pa.field("sample_id", pa.string(), nullable=False),
-        pa.field("teacher_topk_ids", pa.list_(pa.list_(pa.int32(), top_k)), nullable=False),
-        pa.field("teacher_topk_logprobs", pa.list_(pa.list_(value_type, top_k)), nullable=False),
-        pa.field("teacher_token_logprob", pa.list_(pa.float32()), nullable=False),
-    ]
-    if support_k:
-        fields.append(pa.field("teacher_support_logprobs", pa.list_(pa.list_(pa.float32(), support_k))))
-    return pa.schema(fields)
-
-
-# ---------------------------------------------------------------- building columns
-def offsets_from_lengths(lengths: np.ndarray) -> np.ndarray:
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    return offsets
-
-
-def ragged(values: np.ndarray, lengths: np.ndarray, value_type: pa.DataType | None = None) -> pa.ListArray:
-    """A `list<value>` column from a flat array and per-row lengths (no per-row Python work)."""
-    flat = pa.array(np.ascontiguousarray(values), type=value_type)
-    return pa.ListArray.from_arrays(pa.array(offsets_from_lengths(np.asarray(lengths))), flat)
-
-
-def ragged_fixed(values: np.ndarray, lengths: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
-    """A `list<fixed_size_list<value, k>>` column from a `[total_tokens, k]` array and per-row lengths."""
-    values = np.ascontiguousarray(values)
-    k = values.shape[1]
-    inner = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), type=value_type), k)
-    return pa.ListArray.from_arrays(pa.array(offsets_from_lengths(np.asarray(lengths))), inner)
-
-
-def flat_values(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """All values of a `list<…>` (or `list<fixed_size_list<…>>`) column, concatenated, as numpy.
-
-    For fixed-size inner lists the result is `[total_tokens, k]`. Zero-copy when
-    the column has one chunk and no nulls.
-    """
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    inner = column.flatten()
-    if pa.types.is_fixed_size_list(inner.type):
-        k = inner.type.list_size
-        return inner.flatten().to_numpy(zero_copy_only=False).reshape(-1, k)
-    return inner.to_numpy(zero_copy_only=False)
-
-
-def list_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 # ---------------------------------------------------------------- metadata
@@ -176,8 +117,6 @@ class ShardMeta:
             if value is not None:
                 meta[key] = value
         if self.codec != "none":
-            from opd_cache import codec
-
             meta.update(
                 {
                     codec.META_CODEC: self.codec,
@@ -195,9 +134,7 @@ class ShardMeta:
         version = int(meta.get(META_SCHEMA_VERSION, "-1"))
         if version != SCHEMA_VERSION:
             raise ShardError(f"{where}: schema version {version}, this opd_cache reads version {SCHEMA_VERSION}")
-        from opd_cache.codec import codec_of
-
-        codec, codec_id_bits = codec_of(meta, where)
+        codec_name, codec_id_bits = codec.codec_of(meta, where)
         return cls(
             kind=meta[META_KIND],
             run_id=meta.get(META_RUN_ID, ""),
@@ -211,7 +148,7 @@ class ShardMeta:
             engine_version=meta.get(META_ENGINE_VERSION),
             model_dtype=meta.get(META_MODEL_DTYPE),
             schema_version=version,
-            codec=codec,
+            codec=codec_name,
             codec_id_bits=codec_id_bits,
         )
 
@@ -270,9 +207,7 @@ def read_shard(
             raise ShardError(f"{where}: written with tokenizer {meta.tokenizer_fingerprint!r}, this run uses {fp!r}")
     validate_table(table, meta, where=where)
     if meta.codec == "packed":  # every reader (trainer, export, inspect) gets the plain columns
-        from opd_cache.codec import decode_annotation
-
-        table = decode_annotation(table, meta.top_k, meta.codec_id_bits)
+        table = codec.decode_annotation(table, meta.top_k, meta.codec_id_bits)
     return table, meta
 
 
@@ -284,10 +219,10 @@ def validate_table(table: pa.Table, meta: ShardMeta, where: str) -> None:
         if not meta.top_k:
             raise ShardError(f"{where}: annotated shard without '{META_TOP_K}' metadata")
         if meta.codec == "packed":
-            from opd_cache.codec import PACKED_COLUMNS, check_packed
-
-            check_packed(table, meta.top_k, meta.codec_id_bits, where)
-            _check_same_lengths(table, "teacher_token_logprob", [*PACKED_COLUMNS, "teacher_support_logprobs"], where)
+            codec.check_packed(table, meta.top_k, meta.codec_id_bits, where)
+            _check_same_lengths(
+                table, "teacher_token_logprob", [*codec.PACKED_COLUMNS, "teacher_support_logprobs"], where
+            )
             return
         lp_type = (
             table.schema.field("teacher_topk_logprobs").type if "teacher_topk_logprobs" in table.schema.names else None

@@ -36,6 +36,44 @@ def response_logprobs(model, prompts: list[np.ndarray], responses: list[np.ndarr
     return out
 
 
+def shard_meta(run: dict, shard_id: str, kind: str, **fields) -> ShardMeta:
+    """The metadata of shard `shard_id` of `run` (its policy version from the id); `fields`: the kind's own."""
+    return ShardMeta(
+        kind=kind,
+        run_id=run["run_id"],
+        tokenizer_fingerprint=run["tokenizer_fingerprint"],
+        shard_id=shard_id,
+        policy_version=parse_shard_id(shard_id)[0],
+        **fields,
+    )
+
+
+def write_rollout_shard(store: Store, run: dict, shard_id: str, table, *, student_topk: int = 0) -> str:
+    """Publish a rollout table as shard `shard_id` of `run`; returns its store path."""
+    rel = store.rollout_path(shard_id)
+    write_shard(store, rel, table, shard_meta(run, shard_id, ROLLOUT, student_topk=student_topk))
+    return rel
+
+
+def write_annotated_part(
+    store: Store,
+    run: dict,
+    shard_id: str,
+    teacher: str,
+    table,
+    *,
+    top_k: int,
+    student_topk: int = 0,
+    rel: str | None = None,
+    compression: str | None = None,
+) -> str:
+    """Publish `teacher`'s annotated part of shard `shard_id` (at `rel`, default its store path); returns the path."""
+    rel = rel or store.annotated_path(shard_id, teacher)
+    meta = shard_meta(run, shard_id, ANNOTATED, top_k=top_k, teacher=teacher, student_topk=student_topk)
+    write_shard(store, rel, table, meta, compression=compression)
+    return rel
+
+
 def write_synthetic_shard(
     store: Store,
     run: dict,
@@ -103,19 +141,7 @@ def write_synthetic_shard(
         student_topk_ids=topk_s,
         student_topk=student_topk,
     )
-    write_shard(
-        store,
-        store.rollout_path(shard_id),
-        table,
-        ShardMeta(
-            kind=ROLLOUT,
-            run_id=run["run_id"],
-            tokenizer_fingerprint=run["tokenizer_fingerprint"],
-            shard_id=shard_id,
-            policy_version=version,
-            student_topk=student_topk,
-        ),
-    )
+    write_rollout_shard(store, run, shard_id, table, student_topk=student_topk)
     if not annotate:
         return {"sample_ids": sample_ids, "prompts": prompts, "responses": responses}
 
@@ -156,19 +182,5 @@ def write_synthetic_shard(
             logprob_dtype=logprob_dtype,
             support_logprobs=support,
         )
-        write_shard(
-            store,
-            store.annotated_path(shard_id, name),
-            part,
-            ShardMeta(
-                kind=ANNOTATED,
-                run_id=run["run_id"],
-                tokenizer_fingerprint=run["tokenizer_fingerprint"],
-                shard_id=shard_id,
-                policy_version=version,
-                top_k=top_k,
-                teacher=name,
-                student_topk=student_topk,
-            ),
-        )
+        write_annotated_part(store, run, shard_id, name, part, top_k=top_k, student_topk=student_topk)
     return {"sample_ids": sample_ids, "prompts": prompts, "responses": responses}

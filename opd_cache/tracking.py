@@ -68,7 +68,7 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             if store.is_local:
-                log_dir = store.local_path("metrics/tensorboard")
+                log_dir = store.local_path(store.metrics_dir("tensorboard"))
             else:
                 log_dir = os.path.join("tensorboard", run_id)
             # one folder per job: TensorBoard shows the trainer and the evaluator as two runs of one experiment

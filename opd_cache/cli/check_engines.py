@@ -115,26 +115,18 @@ def _compare(v_sampler, v_scorer, hf_sampler, hf_scorer, prompt_ids, sampling, t
     """[(label, largest |log-prob difference|, tokens)] of the three comparisons, and the top-k id agreement."""
     as_arrays = lambda seqs: [np.asarray(s, dtype=np.int64) for s in seqs]  # noqa: E731
     rows = []
-    # 1. vLLM samples, HF scores the sampled tokens
-    v_out = v_sampler.generate(prompt_ids, 1, sampling, seed=seed)
-    hf_of_v = hf_scorer.score(as_arrays(prompt_ids), as_arrays([r.token_ids for r in v_out]), 1)
-    rows.append(
-        (
-            "rollout: vLLM samples, HF scores",
-            _max_diff(np.concatenate([r.logprobs for r in v_out]), hf_of_v.token_logprob),
-            int(hf_of_v.num_tokens),
-        )
-    )
-    # 2. HF samples, vLLM scores the sampled tokens
-    hf_out = hf_sampler.generate(prompt_ids, 1, sampling, seed=seed)
-    v_of_hf = v_scorer.score(as_arrays(prompt_ids), as_arrays([r.token_ids for r in hf_out]), 1)
-    rows.append(
-        (
-            "rollout: HF samples, vLLM scores",
-            _max_diff(np.concatenate([r.logprobs for r in hf_out]), v_of_hf.token_logprob),
-            int(v_of_hf.num_tokens),
-        )
-    )
+
+    def sample_and_score(sampler, scorer, label: str):
+        """One engine samples, the other scores the sampled tokens: a row comparing their log-probs."""
+        out = sampler.generate(prompt_ids, 1, sampling, seed=seed)
+        scored = scorer.score(as_arrays(prompt_ids), as_arrays([r.token_ids for r in out]), 1)
+        diff = _max_diff(np.concatenate([r.logprobs for r in out]), scored.token_logprob)
+        rows.append((label, diff, int(scored.num_tokens)))
+        return out
+
+    # 1. vLLM samples, HF scores the sampled tokens; 2. the other way round
+    v_out = sample_and_score(v_sampler, hf_scorer, "rollout: vLLM samples, HF scores")
+    sample_and_score(hf_sampler, v_scorer, "rollout: HF samples, vLLM scores")
     # 3. both score the same sequences (vLLM's samples) with top-k
     responses = as_arrays([r.token_ids for r in v_out])
     v_top = v_scorer.score(as_arrays(prompt_ids), responses, top_k)

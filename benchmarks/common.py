@@ -1,0 +1,31 @@
+"""What the benchmark scripts share: running one measurement in a fresh process, and writing the results JSON.
+
+The scripts import it as `common` (a script's own folder is first on sys.path); each keeps its own timing
+(wall or CPU time, best or median of what) and its own ratio table, since those differ by what they measure.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_json(cmd: list[str], what: str) -> dict:
+    """Run `cmd` (a benchmark's own worker mode) in a fresh process; its last stdout line is its JSON result.
+
+    A fresh process per measurement keeps peak memory and warm caches of one variant out of the next.
+    """
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def write_results(path: Path, result: dict) -> None:
+    """Write a benchmark's figures to benchmarks/results/ (docs/benchmarks.md quotes them) and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")

@@ -1,0 +1,93 @@
+"""The columns of a shard: their Arrow types, and building or reading them as flat numpy arrays.
+
+Per-token columns are `list<…>` with one entry per response token; per-token
+top-k columns are `list<fixed_size_list<…, k>>`, so a whole column decodes to a
+dense `[total_tokens, k]` array without any per-row work.
+
+opd_cache/codec.py (the packed annotation columns) and opd_cache/schema.py (shard
+metadata, reading, writing, validation) both build on this module; it imports neither.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+class ShardError(ValueError):
+    """A shard that cannot be used: truncated, foreign, from another run, or internally inconsistent."""
+
+
+def rollout_schema(student_topk: int = 0) -> pa.Schema:
+    fields = [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("prompt_index", pa.int64(), nullable=False),
+        pa.field("sample_index", pa.int32(), nullable=False),
+        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("behavior_logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("policy_version", pa.int32(), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("data_source", pa.string()),
+        pa.field("ground_truth", pa.string()),
+        pa.field("extra", pa.string()),
+    ]
+    if student_topk:
+        fields.insert(6, pa.field("student_topk_ids", pa.list_(pa.list_(pa.int32(), student_topk))))
+    return pa.schema(fields)
+
+
+def annotated_schema(top_k: int, logprob_dtype: str = "float32", support_k: int = 0) -> pa.Schema:
+    value_type = {"float16": pa.float16(), "float32": pa.float32()}.get(logprob_dtype)
+    if value_type is None:
+        raise ValueError(f"logprob dtype {logprob_dtype!r} is not supported: use float16 or float32")
+    fields = [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("teacher_topk_ids", pa.list_(pa.list_(pa.int32(), top_k)), nullable=False),
+        pa.field("teacher_topk_logprobs", pa.list_(pa.list_(value_type, top_k)), nullable=False),
+        pa.field("teacher_token_logprob", pa.list_(pa.float32()), nullable=False),
+    ]
+    if support_k:
+        fields.append(pa.field("teacher_support_logprobs", pa.list_(pa.list_(pa.float32(), support_k))))
+    return pa.schema(fields)
+
+
+# ---------------------------------------------------------------- building columns
+def offsets_from_lengths(lengths: np.ndarray) -> np.ndarray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+def ragged(values: np.ndarray, lengths: np.ndarray, value_type: pa.DataType | None = None) -> pa.ListArray:
+    """A `list<value>` column from a flat array and per-row lengths (no per-row Python work)."""
+    flat = pa.array(np.ascontiguousarray(values), type=value_type)
+    return pa.ListArray.from_arrays(pa.array(offsets_from_lengths(np.asarray(lengths))), flat)
+
+
+def ragged_fixed(values: np.ndarray, lengths: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
+    """A `list<fixed_size_list<value, k>>` column from a `[total_tokens, k]` array and per-row lengths."""
+    values = np.ascontiguousarray(values)
+    k = values.shape[1]
+    inner = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), type=value_type), k)
+    return pa.ListArray.from_arrays(pa.array(offsets_from_lengths(np.asarray(lengths))), inner)
+
+
+def flat_values(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """All values of a `list<…>` (or `list<fixed_size_list<…>>`) column, concatenated, as numpy.
+
+    For fixed-size inner lists the result is `[total_tokens, k]`. Zero-copy when
+    the column has one chunk and no nulls.
+    """
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    inner = column.flatten()
+    if pa.types.is_fixed_size_list(inner.type):
+        k = inner.type.list_size
+        return inner.flatten().to_numpy(zero_copy_only=False).reshape(-1, k)
+    return inner.to_numpy(zero_copy_only=False)
+
+
+def list_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)

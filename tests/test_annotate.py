@@ -30,7 +30,6 @@ from opd_cache.models import build_tiny_model, load_causal_lm, save_causal_lm
 from opd_cache.schema import (
     ANNOTATED,
     ROLLOUT,
-    ShardMeta,
     flat_values,
     list_lengths,
     read_shard,
@@ -38,7 +37,8 @@ from opd_cache.schema import (
     write_shard,
 )
 from opd_cache.store import StoreError, make_shard_id
-from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
+from opd_cache.testing import write_rollout_part
+from opd_cache.tokenizer import load_tokenizer
 from tests.conftest import REPO, write_random_rollout_shard
 
 VOCAB = 99  # the shipped tokenizer
@@ -50,14 +50,8 @@ def teacher_path(tiny_model_factory) -> Path:
 
 
 @pytest.fixture
-def store(local_store, tokenizer, tiny_model_factory):
-    """A store whose run.json carries the real tokenizer fingerprint and a loadable student."""
-    local_store.ensure_run(
-        student=str(tiny_model_factory("student", seed=0)),
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-        vocab_size=len(tokenizer),
-    )
-    return local_store
+def store(student_store):
+    return student_store
 
 
 def write_shards(store, count: int, version: int = 0, worker: str = "w00", **kwargs) -> list[str]:
@@ -295,19 +289,7 @@ def write_routed_shard(store, shard_id: str, sources: list[str | None]) -> None:
         finish_reason=["stop"] * n,
         data_source=sources,
     )
-    run = store.require_run()
-    write_shard(
-        store,
-        store.rollout_path(shard_id),
-        table,
-        ShardMeta(
-            kind=ROLLOUT,
-            run_id=run["run_id"],
-            tokenizer_fingerprint=run["tokenizer_fingerprint"],
-            shard_id=shard_id,
-            policy_version=0,
-        ),
-    )
+    write_rollout_part(store, store.require_run(), shard_id, table)
 
 
 def test_routing_sends_each_row_to_its_teacher(store, tiny_model_factory):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -13,10 +14,19 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TOKENIZER_DIR = REPO / "data" / "tokenizer"
+DATA = REPO / "data"
+TOKENIZER_DIR = DATA / "tokenizer"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub; fail fast instead of timing out
+
+
+def load_data_script(name: str):
+    """One of the scripts shipped in data/ (data/NAME.py), imported as a module."""
+    spec = importlib.util.spec_from_file_location(name, DATA / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -21,8 +21,9 @@ from opd_cache.rollout.pacing import BacklogGauge
 from opd_cache.store import COMPLETE_MARKER, ShardTally, ShardWatch, Store, StoreError, make_shard_id
 from opd_cache.testing import CountingFileSystem, write_synthetic_shard
 from opd_cache.tokenizer import tokenizer_fingerprint
-from opd_cache.train.shard_data import ShardCache, required_teachers
+from opd_cache.train.shard_data import ShardCache
 from opd_cache.train.stream import ShardStream, StreamEnd
+from tests.test_train_stream import make_stream
 
 WORKERS = ("w00", "w01", "w02", "w03")
 
@@ -198,17 +199,7 @@ def test_trainer_trains_the_window_expires_the_rest_and_counts_a_shard_published
     for v in range(1, 12):
         local_store.write_bytes(f"policy/v{v:06d}/{COMPLETE_MARKER}", b"")
     publish(11)
-    stream = ShardStream(
-        local_store,
-        run,
-        ShardCache(local_store, run, required_teachers(run)),
-        max_staleness=1,
-        batch_samples=4,
-        batch_tokens=None,
-        follow=True,
-        poll_seconds=0.001,
-        idle_timeout=0.3,
-    )
+    stream, _ = make_stream(local_store, run, max_staleness=1, follow=True, poll_seconds=0.001, idle_timeout=0.3)
     trained = []
     for step in (1, 2):
         batch = stream.next_batch(step, 11)

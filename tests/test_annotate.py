@@ -54,6 +54,11 @@ def store(student_store):
     return student_store
 
 
+def annotate_args(store, teacher_path, *flags: str) -> list[str]:
+    """The command line of `opd annotate` on `store` with the teacher at `teacher_path`, then `flags`."""
+    return ["annotate", "--store", store.uri, "--teacher", str(teacher_path), *flags]
+
+
 def write_shards(store, count: int, version: int = 0, worker: str = "w00", **kwargs) -> list[str]:
     ids = []
     for seq in range(count):
@@ -184,20 +189,8 @@ def test_two_workers_annotate_every_shard_exactly_once(store, teacher_path):
 
 def test_sigkilled_worker_restarted_leaves_no_partial_or_duplicate_part(store, teacher_path):
     shard_ids = write_shards(store, 24, num_rows=8, max_response=12)
-    cmd = [
-        sys.executable,
-        "-m",
-        "opd_cache.cli",
-        "annotate",
-        "--store",
-        store.uri,
-        "--teacher",
-        str(teacher_path),
-        "--top-k",
-        "4",
-        "--max-tokens-per-batch",
-        "32",
-    ]
+    flags = ["--top-k", "4", "--max-tokens-per-batch", "32"]
+    cmd = [sys.executable, "-m", "opd_cache.cli", *annotate_args(store, teacher_path, *flags)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the one_thread fixture (conftest.py), for the subprocess
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -421,20 +414,7 @@ def test_cli_annotates_and_reports_errors_in_one_line(store, teacher_path):
     write_shards(store, 2, num_rows=2)
     runner = CliRunner()
     result = runner.invoke(
-        app,
-        [
-            "annotate",
-            "--store",
-            store.uri,
-            "--teacher",
-            str(teacher_path),
-            "--top-k",
-            "3",
-            "--dtype",
-            "float16",
-            "--max-shards",
-            "1",
-        ],
+        app, annotate_args(store, teacher_path, "--top-k", "3", "--dtype", "float16", "--max-shards", "1")
     )
     assert result.exit_code == 0, result.output
     assert "annotated 1 shards" in result.output
@@ -442,7 +422,7 @@ def test_cli_annotates_and_reports_errors_in_one_line(store, teacher_path):
 
     result = runner.invoke(
         app,
-        ["annotate", "--store", store.uri, "--teacher", str(teacher_path), "--top-k", "500", "--teacher-name", "big"],
+        annotate_args(store, teacher_path, "--top-k", "500", "--teacher-name", "big"),
     )
     assert result.exit_code == 2
     assert result.output.strip().count("\n") == 0 and "--top-k 500 is larger than the vocabulary" in result.output

@@ -7,6 +7,9 @@ temperature 1, top-k sorted descending, plus the log-prob of the sampled
 token) — or random but well-formed (sorted log-probs whose mass is < 1) when no
 teacher is given. Behavior log-probs come from a `behavior` model when one is
 given (so importance ratios are exactly 1 at version 0), else are random.
+
+Also the scaffolding tests and benchmarks share: writing one rollout shard or annotated part from a table
+(`write_rollout_part`, `write_annotated_part`) and a filesystem that counts its requests (`CountingFileSystem`).
 """
 
 from __future__ import annotations

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import platform
 import re
@@ -49,8 +48,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import pyarrow.fs as pafs
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -58,39 +55,13 @@ from opd_cache.annotate import Annotator
 from opd_cache.config import AnnotateConfig
 from opd_cache.rollout.pacing import BacklogGauge
 from opd_cache.store import COMPLETE_MARKER, ShardWatch, Store, make_shard_id, parse_shard_id
+from opd_cache.testing import CountingFileSystem
 from opd_cache.train.shard_data import ShardCache
 from opd_cache.train.stream import ShardStream
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_listing.json"
 WORKERS, PER_VERSION, STALENESS = 4, 8, 2
 STAGES = ("trainer", "annotate", "rollout")
-
-
-class CountingFileSystem:
-    """The store's filesystem, counting LIST pages, HEADs, GETs and keys listed."""
-
-    def __init__(self, fs: pafs.FileSystem):
-        self.fs, self.requests = fs, Counter()
-
-    def get_file_info(self, what):
-        infos = self.fs.get_file_info(what)
-        if isinstance(what, pafs.FileSelector):
-            self.requests["LIST"] += max(1, math.ceil(len(infos) / 1000))
-            self.requests["keys"] += len(infos)
-        else:
-            self.requests["HEAD"] += 1
-        return infos
-
-    def open_input_stream(self, path):
-        self.requests["GET"] += 1
-        return self.fs.open_input_stream(path)
-
-    def open_input_file(self, path):
-        self.requests["GET"] += 1
-        return self.fs.open_input_file(path)
-
-    def __getattr__(self, name):
-        return getattr(self.fs, name)
 
 
 class ServerRequests(logging.Handler):

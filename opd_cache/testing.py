@@ -7,11 +7,18 @@ temperature 1, top-k sorted descending, plus the log-prob of the sampled
 token) — or random but well-formed (sorted log-probs whose mass is < 1) when no
 teacher is given. Behavior log-probs come from a `behavior` model when one is
 given (so importance ratios are exactly 1 at version 0), else are random.
+
+Also the scaffolding tests and benchmarks share: writing one rollout shard or annotated part from a table
+(`write_rollout_part`, `write_annotated_part`) and a filesystem that counts its requests (`CountingFileSystem`).
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 
 from opd_cache.schema import ANNOTATED, ROLLOUT, ShardMeta, annotated_table, rollout_table, write_shard
@@ -184,3 +191,74 @@ def write_synthetic_shard(
         )
         write_annotated_part(store, run, shard_id, name, part, top_k=top_k, student_topk=student_topk)
     return {"sample_ids": sample_ids, "prompts": prompts, "responses": responses}
+
+
+# ---------------------------------------------------------------- one part at a time, for tests and benchmarks
+def write_rollout_part(store: Store, run: dict, shard_id: str, table, *, student_topk: int = 0) -> None:
+    """Write `table` as the rollout shard `shard_id`, stamped with `run`'s id and tokenizer fingerprint."""
+    write_shard(
+        store,
+        store.rollout_path(shard_id),
+        table,
+        ShardMeta(
+            kind=ROLLOUT,
+            run_id=run["run_id"],
+            tokenizer_fingerprint=run["tokenizer_fingerprint"],
+            shard_id=shard_id,
+            policy_version=parse_shard_id(shard_id)[0],
+            student_topk=student_topk,
+        ),
+    )
+
+
+def write_annotated_part(
+    store: Store, run: dict, shard_id: str, teacher: str, part, *, top_k: int, student_topk: int = 0
+) -> None:
+    """Write `part` (an `annotated_table`) as `teacher`'s part of the shard `shard_id`."""
+    write_shard(
+        store,
+        store.annotated_path(shard_id, teacher),
+        part,
+        ShardMeta(
+            kind=ANNOTATED,
+            run_id=run["run_id"],
+            tokenizer_fingerprint=run["tokenizer_fingerprint"],
+            shard_id=shard_id,
+            policy_version=parse_shard_id(shard_id)[0],
+            top_k=top_k,
+            teacher=teacher,
+            student_topk=student_topk,
+        ),
+    )
+
+
+class CountingFileSystem:
+    """A store's filesystem, counting the requests made through it: LIST, HEAD (one path's info), GET (a read),
+    and the keys listed.
+
+    A listing counts as the LIST requests an object store needs for it: one per 1,000 keys (a local
+    directory lists a whole tree in one call, but its cost grows the same way).
+    """
+
+    def __init__(self, fs):
+        self.fs, self.requests = fs, Counter()
+
+    def get_file_info(self, what):
+        infos = self.fs.get_file_info(what)
+        if isinstance(what, pafs.FileSelector):
+            self.requests["LIST"] += max(1, math.ceil(len(infos) / 1000))
+            self.requests["keys"] += len(infos)
+        else:
+            self.requests["HEAD"] += 1
+        return infos
+
+    def open_input_stream(self, path):
+        self.requests["GET"] += 1
+        return self.fs.open_input_stream(path)
+
+    def open_input_file(self, path):
+        self.requests["GET"] += 1
+        return self.fs.open_input_file(path)
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -13,10 +14,19 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TOKENIZER_DIR = REPO / "data" / "tokenizer"
+DATA = REPO / "data"
+TOKENIZER_DIR = DATA / "tokenizer"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub; fail fast instead of timing out
+
+
+def load_data_script(name: str):
+    """One of the scripts shipped in data/ (data/NAME.py), imported as a module."""
+    spec = importlib.util.spec_from_file_location(name, DATA / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -69,6 +79,19 @@ def local_store(tmp_path):
     from opd_cache.store import Store
 
     return Store(tmp_path / "store")
+
+
+@pytest.fixture
+def student_store(local_store, tokenizer, tiny_model_factory):
+    """A local store whose run.json carries the shipped tokenizer's fingerprint and a loadable tiny student."""
+    from opd_cache.tokenizer import tokenizer_fingerprint
+
+    local_store.ensure_run(
+        student=str(tiny_model_factory("student", seed=0)),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        vocab_size=len(tokenizer),
+    )
+    return local_store
 
 
 def _free_port() -> int:
@@ -136,8 +159,9 @@ def write_random_rollout_shard(
     data_source: str | None = None,
 ):
     """A syntactically valid rollout shard with random tokens (for storage/annotate/train tests)."""
-    from opd_cache.schema import ROLLOUT, ShardMeta, rollout_table, write_shard
+    from opd_cache.schema import rollout_table
     from opd_cache.store import parse_shard_id
+    from opd_cache.testing import write_rollout_part
 
     rng = np.random.default_rng(seed)
     version, _, _ = parse_shard_id(shard_id)
@@ -158,13 +182,5 @@ def write_random_rollout_shard(
         else None,
         student_topk=student_topk,
     )
-    meta = ShardMeta(
-        kind=ROLLOUT,
-        run_id=run["run_id"],
-        tokenizer_fingerprint=run["tokenizer_fingerprint"],
-        shard_id=shard_id,
-        policy_version=version,
-        student_topk=student_topk,
-    )
-    write_shard(store, store.rollout_path(shard_id), table, meta)
+    write_rollout_part(store, run, shard_id, table, student_topk=student_topk)
     return table

@@ -30,7 +30,6 @@ from opd_cache.models import build_tiny_model, load_causal_lm, save_causal_lm
 from opd_cache.schema import (
     ANNOTATED,
     ROLLOUT,
-    ShardMeta,
     flat_values,
     list_lengths,
     read_shard,
@@ -38,7 +37,8 @@ from opd_cache.schema import (
     write_shard,
 )
 from opd_cache.store import StoreError, make_shard_id
-from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
+from opd_cache.testing import write_rollout_part
+from opd_cache.tokenizer import load_tokenizer
 from tests.conftest import REPO, write_random_rollout_shard
 
 VOCAB = 99  # the shipped tokenizer
@@ -50,14 +50,13 @@ def teacher_path(tiny_model_factory) -> Path:
 
 
 @pytest.fixture
-def store(local_store, tokenizer, tiny_model_factory):
-    """A store whose run.json carries the real tokenizer fingerprint and a loadable student."""
-    local_store.ensure_run(
-        student=str(tiny_model_factory("student", seed=0)),
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-        vocab_size=len(tokenizer),
-    )
-    return local_store
+def store(student_store):
+    return student_store
+
+
+def annotate_args(store, teacher_path, *flags: str) -> list[str]:
+    """The command line of `opd annotate` on `store` with the teacher at `teacher_path`, then `flags`."""
+    return ["annotate", "--store", store.uri, "--teacher", str(teacher_path), *flags]
 
 
 def write_shards(store, count: int, version: int = 0, worker: str = "w00", **kwargs) -> list[str]:
@@ -190,20 +189,8 @@ def test_two_workers_annotate_every_shard_exactly_once(store, teacher_path):
 
 def test_sigkilled_worker_restarted_leaves_no_partial_or_duplicate_part(store, teacher_path):
     shard_ids = write_shards(store, 24, num_rows=8, max_response=12)
-    cmd = [
-        sys.executable,
-        "-m",
-        "opd_cache.cli",
-        "annotate",
-        "--store",
-        store.uri,
-        "--teacher",
-        str(teacher_path),
-        "--top-k",
-        "4",
-        "--max-tokens-per-batch",
-        "32",
-    ]
+    flags = ["--top-k", "4", "--max-tokens-per-batch", "32"]
+    cmd = [sys.executable, "-m", "opd_cache.cli", *annotate_args(store, teacher_path, *flags)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the one_thread fixture (conftest.py), for the subprocess
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -295,19 +282,7 @@ def write_routed_shard(store, shard_id: str, sources: list[str | None]) -> None:
         finish_reason=["stop"] * n,
         data_source=sources,
     )
-    run = store.require_run()
-    write_shard(
-        store,
-        store.rollout_path(shard_id),
-        table,
-        ShardMeta(
-            kind=ROLLOUT,
-            run_id=run["run_id"],
-            tokenizer_fingerprint=run["tokenizer_fingerprint"],
-            shard_id=shard_id,
-            policy_version=0,
-        ),
-    )
+    write_rollout_part(store, store.require_run(), shard_id, table)
 
 
 def test_routing_sends_each_row_to_its_teacher(store, tiny_model_factory):
@@ -439,20 +414,7 @@ def test_cli_annotates_and_reports_errors_in_one_line(store, teacher_path):
     write_shards(store, 2, num_rows=2)
     runner = CliRunner()
     result = runner.invoke(
-        app,
-        [
-            "annotate",
-            "--store",
-            store.uri,
-            "--teacher",
-            str(teacher_path),
-            "--top-k",
-            "3",
-            "--dtype",
-            "float16",
-            "--max-shards",
-            "1",
-        ],
+        app, annotate_args(store, teacher_path, "--top-k", "3", "--dtype", "float16", "--max-shards", "1")
     )
     assert result.exit_code == 0, result.output
     assert "annotated 1 shards" in result.output
@@ -460,7 +422,7 @@ def test_cli_annotates_and_reports_errors_in_one_line(store, teacher_path):
 
     result = runner.invoke(
         app,
-        ["annotate", "--store", store.uri, "--teacher", str(teacher_path), "--top-k", "500", "--teacher-name", "big"],
+        annotate_args(store, teacher_path, "--top-k", "500", "--teacher-name", "big"),
     )
     assert result.exit_code == 2
     assert result.output.strip().count("\n") == 0 and "--top-k 500 is larger than the vocabulary" in result.output

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from opd_cache.store import Store
+from opd_cache.testing import write_annotated_part
 from tests.conftest import write_random_rollout_shard
 
 
@@ -60,7 +61,7 @@ def test_inspect_bad_shard_is_one_line_error(tmp_path):
 def test_inspect_per_token_view_shows_teacher_student_gap(tmp_path):
     import numpy as np
 
-    from opd_cache.schema import ANNOTATED, ShardMeta, annotated_table, list_lengths, write_shard
+    from opd_cache.schema import annotated_table, list_lengths
 
     store = Store(tmp_path / "store")
     shard = "v000000-w00-000000"
@@ -75,21 +76,7 @@ def test_inspect_per_token_view_shows_teacher_student_gap(tmp_path):
         topk_logprobs=np.full((total, 4), -1.5),
         token_logprob=teacher_lp,
     )
-    run = store.read_run()
-    write_shard(
-        store,
-        store.annotated_path(shard, "teacher"),
-        part,
-        ShardMeta(
-            kind=ANNOTATED,
-            run_id=run["run_id"],
-            tokenizer_fingerprint=run["tokenizer_fingerprint"],
-            shard_id=shard,
-            policy_version=0,
-            top_k=4,
-            teacher="teacher",
-        ),
-    )
+    write_annotated_part(store, store.read_run(), shard, "teacher", part, top_k=4)
     row = int(np.argmax(lengths))
     out = opd("inspect", str(store.local_path(store.rollout_path(shard))), "--sample", str(row))
     assert out.returncode == 0, out.stderr
@@ -104,7 +91,7 @@ def _rollout_and_part(store: Store, shard: str, run: dict):
     """A rollout shard and the teacher part that scores it (random ids inside the shipped tokenizer)."""
     import numpy as np
 
-    from opd_cache.schema import ANNOTATED, ShardMeta, annotated_table, list_lengths, write_shard
+    from opd_cache.schema import annotated_table, list_lengths
 
     table = write_random_rollout_shard(store, shard_id=shard, num_rows=3, max_response=6, seed=3, run=run)
     lengths = list_lengths(table["response_ids"])
@@ -117,20 +104,7 @@ def _rollout_and_part(store: Store, shard: str, run: dict):
         topk_logprobs=np.full((total, 4), -1.5),
         token_logprob=np.full(total, -2.0, dtype=np.float32),
     )
-    write_shard(
-        store,
-        store.annotated_path(shard, "teacher"),
-        part,
-        ShardMeta(
-            kind=ANNOTATED,
-            run_id=run["run_id"],
-            tokenizer_fingerprint=run["tokenizer_fingerprint"],
-            shard_id=shard,
-            policy_version=0,
-            top_k=4,
-            teacher="teacher",
-        ),
-    )
+    write_annotated_part(store, run, shard, "teacher", part, top_k=4)
     return table, part
 
 

@@ -25,7 +25,7 @@ from opd_cache.losses import LossConfig, token_losses
 from opd_cache.models import build_tiny_model, load_causal_lm
 from opd_cache.schema import ANNOTATED, ShardError, ShardMeta, annotated_table, read_shard, write_shard
 from opd_cache.store import make_shard_id
-from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
+from opd_cache.tokenizer import load_tokenizer
 from opd_cache.train.shard_data import load_shard
 from tests.conftest import REPO, write_random_rollout_shard
 
@@ -93,16 +93,6 @@ def test_the_bound_is_tight_enough_to_fail_a_one_code_error():
 VOCAB = 99  # the shipped tokenizer
 
 
-@pytest.fixture
-def store(local_store, tokenizer, tiny_model_factory):
-    local_store.ensure_run(
-        student=str(tiny_model_factory("student", seed=0)),
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-        vocab_size=len(tokenizer),
-    )
-    return local_store
-
-
 def packed_part(store, rng, k: int = 4, rows: int = 5):
     """A packed annotated table and its metadata, from random plain columns."""
     lengths = rng.integers(1, 6, size=rows)
@@ -130,10 +120,10 @@ def packed_part(store, rng, k: int = 4, rows: int = 5):
     return plain, table, meta
 
 
-def test_a_packed_part_reads_back_as_its_plain_columns(store):
-    plain, table, meta = packed_part(store, np.random.default_rng(0))
-    write_shard(store, "annotated/p.arrow", table, meta)
-    got, got_meta = read_shard(store, "annotated/p.arrow", kind=ANNOTATED, run=store.require_run())
+def test_a_packed_part_reads_back_as_its_plain_columns(student_store):
+    plain, table, meta = packed_part(student_store, np.random.default_rng(0))
+    write_shard(student_store, "annotated/p.arrow", table, meta)
+    got, got_meta = read_shard(student_store, "annotated/p.arrow", kind=ANNOTATED, run=student_store.require_run())
     assert (got_meta.codec, got_meta.codec_id_bits) == ("packed", 7)
     assert got.schema.names == plain.schema.names
     assert got["teacher_topk_ids"].equals(plain["teacher_topk_ids"])
@@ -144,55 +134,65 @@ def test_a_packed_part_reads_back_as_its_plain_columns(store):
     )
 
 
-def test_a_codec_version_from_the_future_is_refused_in_one_line(store, monkeypatch):
-    _, table, meta = packed_part(store, np.random.default_rng(1))
+def test_a_codec_version_from_the_future_is_refused_in_one_line(student_store, monkeypatch):
+    _, table, meta = packed_part(student_store, np.random.default_rng(1))
     monkeypatch.setattr(codec, "CODEC_VERSION", 2)  # as a newer opd_cache would write it
-    write_shard(store, "annotated/p.arrow", table, meta)
+    write_shard(student_store, "annotated/p.arrow", table, meta)
     monkeypatch.setattr(codec, "CODEC_VERSION", 1)
     with pytest.raises(ShardError) as e:
-        read_shard(store, "annotated/p.arrow")
+        read_shard(student_store, "annotated/p.arrow")
     assert str(e.value) == (
-        f"{store.path('annotated/p.arrow')}: packed codec version 2 is newer than this "
+        f"{student_store.path('annotated/p.arrow')}: packed codec version 2 is newer than this "
         f"opd_cache reads (version 1); upgrade opd_cache"
     )
 
 
-def test_a_truncated_packed_column_is_refused_in_one_line(store, monkeypatch):
-    _, table, meta = packed_part(store, np.random.default_rng(2))
+def test_a_truncated_packed_column_is_refused_in_one_line(student_store, monkeypatch):
+    _, table, meta = packed_part(student_store, np.random.default_rng(2))
     column = table["teacher_topk_ids_packed"].combine_chunks()
     cut = np.frombuffer(column.flatten().buffers()[1], dtype=np.uint8).reshape(-1, 4)[:, :3]  # 4 bytes -> 3
     inner = pa.FixedSizeBinaryArray.from_buffers(pa.binary(3), len(cut), [None, pa.py_buffer(cut.tobytes())])
     table = table.set_column(1, "teacher_topk_ids_packed", pa.ListArray.from_arrays(column.offsets, inner))
     expected = "packed column 'teacher_topk_ids_packed' is truncated: 3 bytes per position, expected 4 (k=4, 7-bit ids)"
     with pytest.raises(ShardError, match=re.escape(expected)):  # the writer refuses it ...
-        write_shard(store, "annotated/p.arrow", table, meta)
+        write_shard(student_store, "annotated/p.arrow", table, meta)
     monkeypatch.setattr(schema, "validate_table", lambda *a, **kw: None)
-    write_shard(store, "annotated/p.arrow", table, meta)  # ... so write it as a buggy writer would
+    write_shard(student_store, "annotated/p.arrow", table, meta)  # ... so write it as a buggy writer would
     monkeypatch.undo()
     with pytest.raises(ShardError) as e:
-        read_shard(store, "annotated/p.arrow")
-    assert str(e.value) == f"{store.path('annotated/p.arrow')}: {expected}"
+        read_shard(student_store, "annotated/p.arrow")
+    assert str(e.value) == f"{student_store.path('annotated/p.arrow')}: {expected}"
 
 
-def test_annotate_with_codec_packed_writes_columns_that_decode_to_the_plain_annotation(store, tiny_model_factory):
+def test_annotate_with_codec_packed_writes_columns_that_decode_to_the_plain_annotation(
+    student_store, tiny_model_factory
+):
     teacher = tiny_model_factory("teacher", seed=1)
     shard_id = make_shard_id(0, "w00", 0)
     write_random_rollout_shard(
-        store, shard_id=shard_id, num_rows=40, max_response=16, vocab_size=VOCAB, seed=3, run=store.require_run()
+        student_store,
+        shard_id=shard_id,
+        num_rows=40,
+        max_response=16,
+        vocab_size=VOCAB,
+        seed=3,
+        run=student_store.require_run(),
     )
-    part = store.annotated_path(shard_id, "teacher")
-    annotate(store, AnnotateConfig(teacher=str(teacher), top_k=8), progress=False)
-    plain, _ = read_shard(store, part)
-    plain_bytes = store.fs.get_file_info(store.path(part)).size
-    store.fs.delete_file(store.path(part))
-    annotate(store, AnnotateConfig(teacher=str(teacher), top_k=8, codec="packed"), progress=False)
+    part = student_store.annotated_path(shard_id, "teacher")
+    annotate(student_store, AnnotateConfig(teacher=str(teacher), top_k=8), progress=False)
+    plain, _ = read_shard(student_store, part)
+    plain_bytes = student_store.fs.get_file_info(student_store.path(part)).size
+    student_store.fs.delete_file(student_store.path(part))
+    annotate(student_store, AnnotateConfig(teacher=str(teacher), top_k=8, codec="packed"), progress=False)
 
-    raw = pa.ipc.open_stream(pa.BufferReader(store.read_buffer(part))).read_all()  # the bytes as stored
+    raw = pa.ipc.open_stream(pa.BufferReader(student_store.read_buffer(part))).read_all()  # the bytes as stored
     assert "teacher_topk_ids_packed" in raw.schema.names and "teacher_topk_ids" not in raw.schema.names
     assert raw.schema.metadata[b"opd.codec"] == b"packed" and raw.schema.metadata[b"opd.codec_id_bits"] == b"7"
-    assert store.fs.get_file_info(store.path(part)).size < 0.6 * plain_bytes  # k=8, V=99: 27 vs 68 bytes/token
+    assert (
+        student_store.fs.get_file_info(student_store.path(part)).size < 0.6 * plain_bytes
+    )  # k=8, V=99: 27 vs 68 bytes/token
 
-    got, meta = read_shard(store, part, kind=ANNOTATED, run=store.require_run())
+    got, meta = read_shard(student_store, part, kind=ANNOTATED, run=student_store.require_run())
     assert meta.codec == "packed"
     assert got["teacher_topk_ids"].equals(plain["teacher_topk_ids"])
     assert got["teacher_token_logprob"].equals(plain["teacher_token_logprob"])
@@ -202,7 +202,7 @@ def test_annotate_with_codec_packed_writes_columns_that_decode_to_the_plain_anno
     )
 
     # the trainer's reader gets the same decoded tensors
-    data = load_shard(store, store.require_run(), shard_id, ["teacher"])
+    data = load_shard(student_store, student_store.require_run(), shard_id, ["teacher"])
     np.testing.assert_array_equal(data.topk_ids, schema.flat_values(plain["teacher_topk_ids"]))
     np.testing.assert_array_equal(data.topk_logprobs, schema.flat_values(got["teacher_topk_logprobs"]))
     np.testing.assert_array_equal(data.token_logprob, schema.flat_values(plain["teacher_token_logprob"]))
@@ -210,7 +210,7 @@ def test_annotate_with_codec_packed_writes_columns_that_decode_to_the_plain_anno
     # `opd inspect STORE` names the codec of the parts
     from opd_cache.cli.inspect import summarize_store
 
-    assert summarize_store(store)["teachers"]["teacher"]["codec"] == ["packed"]
+    assert summarize_store(student_store)["teachers"]["teacher"]["codec"] == ["packed"]
 
 
 # ---------------------------------------------------------------- loss parity

@@ -16,8 +16,9 @@ import torch
 
 from opd_cache.annotate import annotate
 from opd_cache.config import AnnotateConfig
-from opd_cache.schema import ANNOTATED, ROLLOUT, ShardMeta, read_shard, rollout_table, write_shard
+from opd_cache.schema import ANNOTATED, ROLLOUT, read_shard, rollout_table
 from opd_cache.store import Store, make_shard_id
+from opd_cache.testing import write_annotated_part, write_rollout_part
 from opd_cache.tokenizer import tokenizer_fingerprint
 from tests.test_cli_inspect import opd
 
@@ -80,18 +81,7 @@ def write_rollout(store: Store, run: dict, shard_id: str, sources: list, seed: i
         data_source=sources,
         ground_truth=[f"gt{i}" for i in range(n)],
     )
-    write_shard(
-        store,
-        store.rollout_path(shard_id),
-        table,
-        ShardMeta(
-            kind=ROLLOUT,
-            run_id=run["run_id"],
-            tokenizer_fingerprint=run["tokenizer_fingerprint"],
-            shard_id=shard_id,
-            policy_version=version,
-        ),
-    )
+    write_rollout_part(store, run, shard_id, table)
 
 
 def store_hashes(store: Store) -> dict[str, str]:
@@ -336,20 +326,7 @@ def test_float16_parts_are_exported_widened_and_inspect_names_their_dtype(tmp_pa
         token_logprob=-rng.random(total).astype(np.float32),
         logprob_dtype="float16",
     )
-    write_shard(
-        store,
-        store.annotated_path(shard, "t16"),
-        part,
-        ShardMeta(
-            kind=ANNOTATED,
-            run_id=run["run_id"],
-            tokenizer_fingerprint="fp-test",
-            shard_id=shard,
-            policy_version=0,
-            top_k=3,
-            teacher="t16",
-        ),
-    )
+    write_annotated_part(store, run, shard, "t16", part, top_k=3)
     out = opd("export", store.uri, "--to", str(tmp_path / "out"), "--no-text")
     assert out.returncode == 0, out.output
     got = pq.read_table(tmp_path / "out" / "t16.parquet")

@@ -32,6 +32,7 @@ from opd_cache.train import train
 from opd_cache.train.checkpoint import complete_states, read_ledger, verify_ledger
 from tests.conftest import write_random_rollout_shard
 from tests.faults import damage_offsets, flip_bytes, truncate
+from tests.test_train_stream import make_stream
 from tests.test_trainer import K, assert_same_weights, config, final_weights
 
 DAMAGE = ["header", "middle", "footer", "truncate"]
@@ -402,8 +403,7 @@ def test_damaged_part_of_a_partly_trained_shard_waits_for_annotate(local_store):
     """The stream cannot leave a partly consumed shard: it quarantines the part and waits until it is back."""
     import threading
 
-    from opd_cache.train.shard_data import ShardCache
-    from opd_cache.train.stream import ShardStream, StreamEnd
+    from opd_cache.train.stream import StreamEnd
 
     run = local_store.ensure_run(
         student="s", tokenizer_fingerprint="fp", vocab_size=32, top_k=4, teachers={"teacher": "t"}
@@ -412,18 +412,7 @@ def test_damaged_part_of_a_partly_trained_shard_waits_for_annotate(local_store):
     write_synthetic_shard(local_store, run, shard_id, num_rows=8, vocab_size=32, top_k=4)
     rel = local_store.annotated_path(shard_id, "teacher")
     intact = local_store.local_path(rel).read_bytes()
-    cache = ShardCache(local_store, run, ["teacher"])
-    stream = ShardStream(
-        local_store,
-        run,
-        cache,
-        max_staleness=10,
-        batch_samples=4,
-        batch_tokens=None,
-        follow=True,
-        poll_seconds=0.02,
-        idle_timeout=30,
-    )
+    stream, cache = make_stream(local_store, run, follow=True, poll_seconds=0.02, idle_timeout=30)
     events = []
     stream.on_event = events.append
     first = stream.next_batch(1, 0)
@@ -440,14 +429,7 @@ def test_damaged_part_of_a_partly_trained_shard_waits_for_annotate(local_store):
     assert rel.replace("/", "__") in local_store.list_quarantine()
 
     # without --follow the stream ends instead, naming the file
-    stream = ShardStream(
-        local_store,
-        run,
-        ShardCache(local_store, run, ["teacher"]),
-        max_staleness=10,
-        batch_samples=4,
-        batch_tokens=None,
-    )
+    stream, _ = make_stream(local_store, run)
     stream.on_event = events.append
     stream.next_batch(1, 0)
     stream.cache._shards.clear()
@@ -462,8 +444,6 @@ def test_damaged_part_of_a_partly_trained_shard_waits_for_annotate(local_store):
 def test_damaged_rollout_shard_of_a_partly_trained_shard_loses_only_its_untrained_rows(local_store, who):
     """The trainer took rows 0-3 of a shard, then its rollout shard is damaged (found by the trainer itself, or
     by its rollout worker on restart, which quarantines it): rows 4-7 are lost, counted, and the stream goes on."""
-    from opd_cache.train.shard_data import ShardCache
-    from opd_cache.train.stream import ShardStream
 
     run = local_store.ensure_run(
         student="s", tokenizer_fingerprint="fp", vocab_size=32, top_k=4, teachers={"teacher": "t"}
@@ -472,14 +452,7 @@ def test_damaged_rollout_shard_of_a_partly_trained_shard_loses_only_its_untraine
     for seed, shard_id in enumerate((first, second)):
         write_synthetic_shard(local_store, run, shard_id, num_rows=8, vocab_size=32, top_k=4, seed=seed)
     rel = local_store.rollout_path(first)
-    stream = ShardStream(
-        local_store,
-        run,
-        ShardCache(local_store, run, ["teacher"]),
-        max_staleness=10,
-        batch_samples=4,
-        batch_tokens=None,
-    )
+    stream, _ = make_stream(local_store, run)
     events = []
     stream.on_event = events.append
     assert stream.next_batch(1, 0).sample_ids == [f"{first}-{i}" for i in range(4)]

@@ -7,12 +7,10 @@ reads them (the trainer expiring a shard, the backlog gauge counting rows), they
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections import Counter
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pytest
 from typer.testing import CliRunner
 
@@ -21,43 +19,13 @@ from opd_cache.cli import app
 from opd_cache.config import AnnotateConfig
 from opd_cache.rollout.pacing import BacklogGauge
 from opd_cache.store import COMPLETE_MARKER, ShardTally, ShardWatch, Store, StoreError, make_shard_id
-from opd_cache.testing import write_synthetic_shard
+from opd_cache.testing import CountingFileSystem, write_synthetic_shard
 from opd_cache.tokenizer import tokenizer_fingerprint
-from opd_cache.train.shard_data import ShardCache, required_teachers
+from opd_cache.train.shard_data import ShardCache
 from opd_cache.train.stream import ShardStream, StreamEnd
+from tests.test_train_stream import make_stream
 
 WORKERS = ("w00", "w01", "w02", "w03")
-
-
-class CountingFileSystem:
-    """The store's filesystem, counting requests: LIST, HEAD (one path's info), GET (a read), keys listed.
-
-    A listing counts as the LIST requests an object store needs for it: one per 1,000 keys (a local
-    directory lists a whole tree in one call, but its cost grows the same way).
-    """
-
-    def __init__(self, fs: pafs.FileSystem):
-        self.fs, self.requests = fs, Counter()
-
-    def get_file_info(self, what):
-        infos = self.fs.get_file_info(what)
-        if isinstance(what, pafs.FileSelector):
-            self.requests["LIST"] += max(1, math.ceil(len(infos) / 1000))
-            self.requests["keys listed"] += len(infos)
-        else:
-            self.requests["HEAD"] += 1
-        return infos
-
-    def open_input_stream(self, path):
-        self.requests["GET"] += 1
-        return self.fs.open_input_stream(path)
-
-    def open_input_file(self, path):
-        self.requests["GET"] += 1
-        return self.fs.open_input_file(path)
-
-    def __getattr__(self, name):
-        return getattr(self.fs, name)
 
 
 def placeholder(store: Store, rel: str) -> None:
@@ -231,17 +199,7 @@ def test_trainer_trains_the_window_expires_the_rest_and_counts_a_shard_published
     for v in range(1, 12):
         local_store.write_bytes(f"policy/v{v:06d}/{COMPLETE_MARKER}", b"")
     publish(11)
-    stream = ShardStream(
-        local_store,
-        run,
-        ShardCache(local_store, run, required_teachers(run)),
-        max_staleness=1,
-        batch_samples=4,
-        batch_tokens=None,
-        follow=True,
-        poll_seconds=0.001,
-        idle_timeout=0.3,
-    )
+    stream, _ = make_stream(local_store, run, max_staleness=1, follow=True, poll_seconds=0.001, idle_timeout=0.3)
     trained = []
     for step in (1, 2):
         batch = stream.next_batch(step, 11)
@@ -322,4 +280,4 @@ def test_tally_for_the_dashboard_counts_everything_at_the_cost_of_a_window_poll(
     requests = count_poll(store, tally.poll)
     shards, parts = tally.shards, tally.parts
     assert sorted(shards) == sorted([*ids, new]) and parts == store.list_annotated_parts()
-    assert requests["LIST"] == 2 * (3 + 1) and requests["keys listed"] < 60, requests  # 4 partitions, not 200
+    assert requests["LIST"] == 2 * (3 + 1) and requests["keys"] < 60, requests  # 4 partitions, not 200

@@ -22,6 +22,7 @@ from opd_cache.schema import (
     write_shard,
 )
 from opd_cache.store import Store
+from opd_cache.testing import write_annotated_part
 from tests.conftest import write_random_rollout_shard
 
 SHARD = "v000002-w00-000001"
@@ -40,18 +41,6 @@ def annotated_part(rollout: pa.Table, k: int = 4, dtype: str = "float32", suppor
         token_logprob=-rng.random(total),
         logprob_dtype=dtype,
         support_logprobs=-rng.random((total, support_k)) if support_k else None,
-    )
-
-
-def annotated_meta(run, k=4):
-    return ShardMeta(
-        kind=ANNOTATED,
-        run_id=run["run_id"],
-        tokenizer_fingerprint=run["tokenizer_fingerprint"],
-        shard_id=SHARD,
-        policy_version=2,
-        top_k=k,
-        teacher="teacher",
     )
 
 
@@ -74,7 +63,7 @@ def test_annotated_round_trip(store, dtype):
     rollout = write_random_rollout_shard(store, shard_id=SHARD, num_rows=8)
     part = annotated_part(rollout, dtype=dtype, support_k=2)
     run = store.read_run()
-    write_shard(store, store.annotated_path(SHARD, "teacher"), part, annotated_meta(run))
+    write_annotated_part(store, run, SHARD, "teacher", part, top_k=4)
     table, meta = read_shard(store, store.annotated_path(SHARD, "teacher"), kind=ANNOTATED, run=run)
     assert table.equals(part)
     assert meta.top_k == 4 and meta.teacher == "teacher"
@@ -87,12 +76,7 @@ def test_datasets_and_pyarrow_read_shards_without_this_package(store):
     import datasets
 
     rollout = write_random_rollout_shard(store, shard_id=SHARD, num_rows=5)
-    write_shard(
-        store,
-        store.annotated_path(SHARD, "teacher"),
-        annotated_part(rollout, dtype="float16"),
-        annotated_meta(store.read_run()),
-    )
+    write_annotated_part(store, store.read_run(), SHARD, "teacher", annotated_part(rollout, dtype="float16"), top_k=4)
     ds = datasets.Dataset.from_file(str(store.local_path(store.rollout_path(SHARD))))
     assert ds["sample_id"] == rollout["sample_id"].to_pylist()
     assert ds[0]["response_ids"] == rollout["response_ids"][0].as_py()

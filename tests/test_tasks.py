@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -22,16 +21,7 @@ from opd_cache.tasks.rewards import (
     strict_answer,
 )
 from opd_cache.tokenizer import load_tokenizer
-
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "data"
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, DATA / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.conftest import DATA, load_data_script
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -319,7 +309,7 @@ def test_missing_file_and_unknown_format(tmp_path, tokenizer):
 
 # ---------------------------------------------------------------- GSM8K preparation
 def test_gsm8k_row_conversion_round_trips_through_load_prompts(tmp_path, tokenizer):
-    prepare = load_script("prepare_gsm8k")
+    prepare = load_data_script("prepare_gsm8k")
     row = {
         "question": "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many in all?",
         "answer": "In May she sold 48/2 = <<48/2=24>>24 clips.\nAltogether 48+24 = <<48+24=72>>72 clips.\n#### 72",

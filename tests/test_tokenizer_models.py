@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import string
@@ -15,16 +14,7 @@ from opd_cache.models import build_tiny_model, load_causal_lm, save_causal_lm
 from opd_cache.tasks.prompts import load_prompts
 from opd_cache.tasks.rewards import score
 from opd_cache.tokenizer import check_compatible, first_vocab_difference, load_tokenizer, tokenizer_fingerprint
-
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "data"
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, DATA / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.conftest import DATA, load_data_script
 
 
 def edited_tokenizer(tmp_path: Path, edit) -> Path:
@@ -71,7 +61,7 @@ def test_chat_template_renders_user_then_assistant(tokenizer):
 
 def test_make_tokenizer_script_rebuilds_the_shipped_tokenizer(tmp_path, tokenizer):
     rebuilt_dir = tmp_path / "tok"
-    load_script("make_tokenizer").build_tokenizer().save_pretrained(rebuilt_dir)
+    load_data_script("make_tokenizer").build_tokenizer().save_pretrained(rebuilt_dir)
     assert not (rebuilt_dir / "config.json").exists()
     rebuilt = load_tokenizer(rebuilt_dir)
     assert rebuilt.get_vocab() == tokenizer.get_vocab()

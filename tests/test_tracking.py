@@ -120,24 +120,15 @@ def test_trainer_metrics_reach_wandb_offline_and_tensorboard(trained_store):
     assert tb_loss == pytest.approx({r["step"]: r["loss"] for r in records}, rel=1e-6)  # float32 in event files
 
 
+def follow_with_wandb(store) -> list[str]:
+    """`opd eval` following the run in `store` on 4 test prompts (6 new tokens each), logging to W&B."""
+    prompts = ["--prompts", str(REPO / "data/arithmetic/test.parquet"), "--max-prompts", "4", "--max-new-tokens", "6"]
+    return ["eval", "--model", store.uri, "--follow", *prompts, "--set", "train.report_to=wandb"]
+
+
 def test_evaluator_logs_strict_lenient_and_kl_to_its_own_wandb_run(trained_store):
     store, wandb_dir = trained_store
-    out = opd(
-        "eval",
-        "--model",
-        store.uri,
-        "--follow",
-        "--prompts",
-        str(REPO / "data/arithmetic/test.parquet"),
-        "--teacher",
-        str(REPO / "data/models/teacher"),
-        "--max-prompts",
-        "4",
-        "--max-new-tokens",
-        "6",
-        "--set",
-        "train.report_to=wandb",
-    )
+    out = opd(*follow_with_wandb(store), "--teacher", str(REPO / "data/models/teacher"))
     assert out.returncode == 0, out.stdout + out.stderr
     evals = {r["version"]: r for r in read_metrics(store, "eval")["eval-0"]}
     assert sorted(evals) == [0, 1, 2]
@@ -187,23 +178,7 @@ def test_an_evaluator_stopped_by_sigterm_keeps_its_wandb_rows(trained_store, tmp
     store.delete("metrics/eval-0.jsonl")
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb-dir"), "WANDB_SILENT": "true"}
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "opd_cache.cli",
-            "eval",
-            "--model",
-            store.uri,
-            "--follow",
-            "--prompts",
-            str(REPO / "data/arithmetic/test.parquet"),
-            "--max-prompts",
-            "4",
-            "--max-new-tokens",
-            "6",
-            "--set",
-            "train.report_to=wandb",
-        ],
+        [sys.executable, "-m", "opd_cache.cli", *follow_with_wandb(store)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

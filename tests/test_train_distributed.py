@@ -29,6 +29,20 @@ def weights_of(store: Store, version: int) -> dict[str, torch.Tensor]:
     return dict(load_causal_lm(store.local_path(store.policy_dir(version))).state_dict())
 
 
+def torchrun_train(store: Store, *settings: str, timeout: int) -> None:
+    """`opd train` on `store` in two processes (`torchrun --nproc_per_node 2`, one CPU thread each): four steps
+    of 9 rows, micro-batches of 40 tokens, a version every 2 steps; `settings` are extra `--set key=value`."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += ["-m", "opd_cache.cli", "train", "--store", store.uri, "--max-steps", "4"]
+    command += ["--global-batch-samples", "9", "--micro-batch-tokens", "40", "--publish-every", "2"]
+    command += ["--lr", "3e-4", "--max-staleness", "100"]
+    for setting in settings:
+        command += ["--set", setting]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+
+
 def test_two_processes_equal_one_then_resume_on_one(tmp_path, tiny_model_factory, tokenizer, teacher):  # noqa: F811
     student = tiny_model_factory("student", seed=0)
     # 39 rows in batches of 9: four full steps, then a 3-row step whose rows cannot fill both ranks'
@@ -39,36 +53,7 @@ def test_two_processes_equal_one_then_resume_on_one(tmp_path, tiny_model_factory
     assert result.step == 5 and result.stopped == "no more admissible data"
 
     two = make_store(tmp_path / "two", student, tokenizer, teacher, shards=3, rows=13)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "opd_cache.cli",
-        "train",
-        "--store",
-        two.uri,
-        "--max-steps",
-        "4",
-        "--global-batch-samples",
-        "9",
-        "--micro-batch-tokens",
-        "40",
-        "--publish-every",
-        "2",
-        "--lr",
-        "3e-4",
-        "--max-staleness",
-        "100",
-        "--set",
-        "train.save_every=2",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    torchrun_train(two, "train.save_every=2", timeout=240)
 
     # same loss curve and the same weights at version 2 (step 4)
     losses_one = [m["loss"] for m in metrics(one)][:4]
@@ -118,38 +103,6 @@ def test_two_gpus_equal_one_gpu(tmp_path, tiny_model_factory, tokenizer, teacher
     one = make_store(tmp_path / "one", student, tokenizer, teacher, shards=3, rows=13)
     train(config(one, **options))
     two = make_store(tmp_path / "two", student, tokenizer, teacher, shards=3, rows=13)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "opd_cache.cli",
-        "train",
-        "--store",
-        two.uri,
-        "--max-steps",
-        "4",
-        "--global-batch-samples",
-        "9",
-        "--micro-batch-tokens",
-        "40",
-        "--publish-every",
-        "2",
-        "--lr",
-        "3e-4",
-        "--max-staleness",
-        "100",
-        "--set",
-        "train.device=cuda",
-        "--set",
-        "train.mixed_precision=off",
-    ]
-    out = subprocess.run(
-        command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    torchrun_train(two, "train.device=cuda", "train.mixed_precision=off", timeout=600)
     assert [m["loss"] for m in metrics(two)] == pytest.approx([m["loss"] for m in metrics(one)], abs=1e-5)
     assert_same_weights(weights_of(two, 2), weights_of(one, 2), atol=1e-4)

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from opd_cache.schema import ANNOTATED, ShardError, ShardMeta, annotated_table, flat_values, read_shard, write_shard
+from opd_cache.schema import ShardError, annotated_table, flat_values, read_shard
 from opd_cache.store import make_shard_id
-from opd_cache.testing import write_synthetic_shard
+from opd_cache.testing import write_annotated_part, write_synthetic_shard
 from opd_cache.train.loader import BatchLoader
 from opd_cache.train.microbatch import decode_rows
 from opd_cache.train.shard_data import ShardCache, load_shard, required_teachers
@@ -327,20 +327,7 @@ def test_part_with_another_top_k_is_refused(local_store, run):
         topk_logprobs=np.full((total, 8), -3.0),
         token_logprob=np.full(total, -1.0),
     )
-    write_shard(
-        local_store,
-        local_store.annotated_path(sid, "teacher"),
-        part,
-        ShardMeta(
-            kind=ANNOTATED,
-            run_id=run["run_id"],
-            tokenizer_fingerprint="fp-test",
-            shard_id=sid,
-            policy_version=0,
-            top_k=8,
-            teacher="teacher",
-        ),
-    )
+    write_annotated_part(local_store, run, sid, "teacher", part, top_k=8)
     with pytest.raises(ShardError, match=r"teacher\.arrow: annotated with top_k=8 but run.json has top_k=4"):
         load_shard(local_store, run, sid, ["teacher"])
 

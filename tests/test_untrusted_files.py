@@ -218,6 +218,18 @@ def _fresh():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def assert_state_refused(store: Store, state: Path, marker: Path, why: str) -> None:
+    """The safe reader refuses the resume state of step 1 (at `state`) naming `why`, and the payload never ran."""
+    from opd_cache.train.checkpoint import load_state
+
+    model, optimizer = _fresh()
+    with pytest.raises(
+        StoreError, match=re.escape(f"{state}: the resume state cannot be loaded (") + ".*" + re.escape(why)
+    ):
+        load_state(store, 1, model, optimizer)
+    assert not marker.exists()
+
+
 def test_resume_state_round_trip(tmp_path):
     """Control: the safe reader loads what the trainer saves (weights and optimizer moments)."""
     from opd_cache.train.checkpoint import load_state
@@ -231,8 +243,6 @@ def test_resume_state_round_trip(tmp_path):
 
 
 def test_resume_state_metadata_with_code_is_refused(tmp_path, marker):
-    from opd_cache.train.checkpoint import load_state
-
     store = Store(tmp_path / "store")
     _tiny_training_state(store)
     state = tmp_path / "store/train/state/step-000001"
@@ -243,15 +253,7 @@ def test_resume_state_metadata_with_code_is_refused(tmp_path, marker):
     FileSystemReader(str(state)).read_metadata()  # control: DCP's own reader runs the payload
     assert marker.exists()
     marker.unlink()
-    model, optimizer = _fresh()
-    with pytest.raises(
-        StoreError,
-        match=re.escape(f"{state}: the resume state cannot be loaded (")
-        + ".*"
-        + re.escape("refers to io.open, which a resume state never holds"),
-    ):
-        load_state(store, 1, model, optimizer)
-    assert not marker.exists()
+    assert_state_refused(store, state, marker, "refers to io.open, which a resume state never holds")
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -260,8 +262,6 @@ def test_resume_state_entry_with_code_is_refused(tmp_path, marker):
     them with weights_only=False; here the learning rate entry is replaced by a payload."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from opd_cache.train.checkpoint import load_state
 
     store = Store(tmp_path / "store")
     saved, optimizer = _tiny_training_state(store)
@@ -283,15 +283,7 @@ def test_resume_state_entry_with_code_is_refused(tmp_path, marker):
     assert marker.exists()
     marker.unlink()
 
-    model, fresh_optimizer = _fresh()
-    with pytest.raises(
-        StoreError,
-        match=re.escape(f"{state}: the resume state cannot be loaded (")
-        + ".*"
-        + re.escape("entry 'optim.param_groups.0.lr' is not plain data"),
-    ):
-        load_state(store, 1, model, fresh_optimizer)
-    assert not marker.exists()
+    assert_state_refused(store, state, marker, "entry 'optim.param_groups.0.lr' is not plain data")
 
 
 # ---------------------------------------------------------------------------------------------- configs

@@ -9,7 +9,7 @@ teacher is given. Behavior log-probs come from a `behavior` model when one is
 given (so importance ratios are exactly 1 at version 0), else are random.
 
 Also the scaffolding tests and benchmarks share: writing one rollout shard or annotated part from a table
-(`write_rollout_part`, `write_annotated_part`) and a filesystem that counts its requests (`CountingFileSystem`).
+(`write_rollout_shard`, `write_annotated_part`) and a filesystem that counts its requests (`CountingFileSystem`).
 """
 
 from __future__ import annotations
@@ -191,45 +191,6 @@ def write_synthetic_shard(
         )
         write_annotated_part(store, run, shard_id, name, part, top_k=top_k, student_topk=student_topk)
     return {"sample_ids": sample_ids, "prompts": prompts, "responses": responses}
-
-
-# ---------------------------------------------------------------- one part at a time, for tests and benchmarks
-def write_rollout_part(store: Store, run: dict, shard_id: str, table, *, student_topk: int = 0) -> None:
-    """Write `table` as the rollout shard `shard_id`, stamped with `run`'s id and tokenizer fingerprint."""
-    write_shard(
-        store,
-        store.rollout_path(shard_id),
-        table,
-        ShardMeta(
-            kind=ROLLOUT,
-            run_id=run["run_id"],
-            tokenizer_fingerprint=run["tokenizer_fingerprint"],
-            shard_id=shard_id,
-            policy_version=parse_shard_id(shard_id)[0],
-            student_topk=student_topk,
-        ),
-    )
-
-
-def write_annotated_part(
-    store: Store, run: dict, shard_id: str, teacher: str, part, *, top_k: int, student_topk: int = 0
-) -> None:
-    """Write `part` (an `annotated_table`) as `teacher`'s part of the shard `shard_id`."""
-    write_shard(
-        store,
-        store.annotated_path(shard_id, teacher),
-        part,
-        ShardMeta(
-            kind=ANNOTATED,
-            run_id=run["run_id"],
-            tokenizer_fingerprint=run["tokenizer_fingerprint"],
-            shard_id=shard_id,
-            policy_version=parse_shard_id(shard_id)[0],
-            top_k=top_k,
-            teacher=teacher,
-            student_topk=student_topk,
-        ),
-    )
 
 
 class CountingFileSystem:

@@ -161,7 +161,7 @@ def write_random_rollout_shard(
     """A syntactically valid rollout shard with random tokens (for storage/annotate/train tests)."""
     from opd_cache.schema import rollout_table
     from opd_cache.store import parse_shard_id
-    from opd_cache.testing import write_rollout_part
+    from opd_cache.testing import write_rollout_shard
 
     rng = np.random.default_rng(seed)
     version, _, _ = parse_shard_id(shard_id)
@@ -182,5 +182,5 @@ def write_random_rollout_shard(
         else None,
         student_topk=student_topk,
     )
-    write_rollout_part(store, run, shard_id, table, student_topk=student_topk)
+    write_rollout_shard(store, run, shard_id, table, student_topk=student_topk)
     return table

@@ -37,7 +37,7 @@ from opd_cache.schema import (
     write_shard,
 )
 from opd_cache.store import StoreError, make_shard_id
-from opd_cache.testing import write_rollout_part
+from opd_cache.testing import write_rollout_shard
 from opd_cache.tokenizer import load_tokenizer
 from tests.conftest import REPO, write_random_rollout_shard
 
@@ -282,7 +282,7 @@ def write_routed_shard(store, shard_id: str, sources: list[str | None]) -> None:
         finish_reason=["stop"] * n,
         data_source=sources,
     )
-    write_rollout_part(store, store.require_run(), shard_id, table)
+    write_rollout_shard(store, store.require_run(), shard_id, table)
 
 
 def test_routing_sends_each_row_to_its_teacher(store, tiny_model_factory):

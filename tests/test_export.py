@@ -18,7 +18,7 @@ from opd_cache.annotate import annotate
 from opd_cache.config import AnnotateConfig
 from opd_cache.schema import ANNOTATED, ROLLOUT, read_shard, rollout_table
 from opd_cache.store import Store, make_shard_id
-from opd_cache.testing import write_annotated_part, write_rollout_part
+from opd_cache.testing import write_annotated_part, write_rollout_shard
 from opd_cache.tokenizer import tokenizer_fingerprint
 from tests.test_cli_inspect import opd
 
@@ -81,7 +81,7 @@ def write_rollout(store: Store, run: dict, shard_id: str, sources: list, seed: i
         data_source=sources,
         ground_truth=[f"gt{i}" for i in range(n)],
     )
-    write_rollout_part(store, run, shard_id, table)
+    write_rollout_shard(store, run, shard_id, table)
 
 
 def store_hashes(store: Store) -> dict[str, str]:

@@ -29,6 +29,7 @@ TRAIN_DONE = "train/DONE"
 TRAIN_STATE = "train/state"
 TRAIN_CONSUMED = "train/consumed"
 TRAIN_SKIPPED = "train/skipped"
+LEASES = "leases"  # annotate workers' shard leases, leases/<teacher>/<shard>.<generation>.json (annotate/leases.py)
 HOLDERS = "holders"  # readers' holds on policy versions (opd_cache/retention.py)
 METRICS = "metrics"
 QUARANTINE = "quarantine"

@@ -161,7 +161,8 @@ def test_sync_trains_on_as_many_samples_as_async_and_never_stale(async_run, sync
     train = read_metrics(store, "train")["train-0"]
     staleness = {int(k) for r in train for k in r["staleness"]}
     assert staleness == {0}, "lockstep trains only on rows of the current version"
-    assert store.policy_versions() == list(range(1, STEPS + 1))  # publish after every step
+    # a version after every step; retention keeps the newest train.keep_versions (3) of them
+    assert store.latest_version() == STEPS and store.policy_versions() == list(range(STEPS - 2, STEPS + 1))
 
 
 # --- the supervisor alone, with stand-in stage processes -------------------------------------------------

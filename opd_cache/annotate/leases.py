@@ -44,9 +44,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from opd_cache.layout import LEASES as LEASES_DIR
 from opd_cache.store import Store, StoreError
 
-LEASES_DIR = "leases"
 LEASE_RE = re.compile(r"^(?P<shard>.+)\.(?P<gen>\d{6})\.json$")
 
 

@@ -37,6 +37,7 @@ def _install() -> None:
     import pathlib
     import random
     import signal
+    import threading
 
     import opd_cache.store as store_module
 
@@ -81,14 +82,19 @@ def _install() -> None:
             return path[len(local_root) + 1 :]
         return None
 
+    pause_lock = threading.Lock()
+
     def pause(kind: str, moment: str) -> None:
         if rng.random() >= probabilities.get(kind, probabilities["*"]):
             return
         marker = os.path.join(_DIR, f"pause-{os.getpid()}")
-        with open(marker + ".new", "w") as f:
-            f.write(f"{kind}:{moment}")
-        real_replace(marker + ".new", marker)
-        os.kill(os.getpid(), signal.SIGSTOP)  # the driver SIGKILLs us here, or sends SIGCONT
+        # One pause at a time per process: the trainer's background publisher and its loop can reach kill
+        # points together, and the driver handles one marker per pid (the second waits for the SIGCONT).
+        with pause_lock:
+            with open(marker + ".new", "w") as f:
+                f.write(f"{kind}:{moment}")
+            real_replace(marker + ".new", marker)
+            os.kill(os.getpid(), signal.SIGSTOP)  # the driver SIGKILLs us here, or sends SIGCONT
 
     def write_atomic(self, rel, write_fn):
         kind = kind_of(rel)

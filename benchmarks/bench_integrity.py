@@ -52,8 +52,8 @@ from opd_cache import (
     schema,
 )
 from opd_cache.schema import ANNOTATED, ShardMeta, read_shard, write_shard
-from opd_cache.store import Store, make_shard_id
-from opd_cache.testing import write_synthetic_shard
+from opd_cache.store import Store
+from opd_cache.testing import write_synthetic_store
 from opd_cache.train.shard_data import load_shard
 
 
@@ -104,19 +104,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-integrity-") as tmp:
         store = Store(Path(tmp) / "store")
         run = store.ensure_run(student="s", tokenizer_fingerprint="fp", top_k=args.top_k, teachers={"teacher": "t"})
-        shard_ids = [make_shard_id(0, "w00", i) for i in range(args.shards)]
-        for i, shard_id in enumerate(shard_ids):
-            write_synthetic_shard(
-                store,
-                run,
-                shard_id,
-                num_rows=args.rows,
-                vocab_size=32000,
-                top_k=args.top_k,
-                seed=i,
-                response_len=(args.tokens, args.tokens),
-                prompt_len=(64, 64),
-            )
+        shard_ids = write_synthetic_store(
+            store,
+            run,
+            args.shards,
+            num_rows=args.rows,
+            vocab_size=32000,
+            top_k=args.top_k,
+            response_len=(args.tokens, args.tokens),
+            prompt_len=(64, 64),
+        )
         parts = [store.annotated_path(s, "teacher") for s in shard_ids]
         file_bytes = sum(
             store.local_path(store.rollout_path(s)).stat().st_size + store.local_path(p).stat().st_size

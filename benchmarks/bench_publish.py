@@ -47,8 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from opd_cache.config import load_config
-from opd_cache.store import Store, make_shard_id
-from opd_cache.testing import write_synthetic_shard
+from opd_cache.store import Store
+from opd_cache.testing import write_synthetic_store
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 from opd_cache.train import trainer as trainer_module
 from opd_cache.train.publish import PolicyPublisher
@@ -69,18 +69,7 @@ def make_store(root: Path, shards: int) -> Store:
         top_k=8,
         teachers={"teacher": "bench"},
     )
-    for seq in range(shards):
-        write_synthetic_shard(
-            store,
-            run,
-            make_shard_id(0, "w00", seq),
-            num_rows=BATCH,
-            vocab_size=len(tokenizer),
-            top_k=8,
-            seed=seq,
-            prompt_len=(12, 20),
-            response_len=(6, 10),
-        )
+    write_synthetic_store(store, run, shards, num_rows=BATCH, prompt_len=(12, 20), response_len=(6, 10))
     return store
 
 

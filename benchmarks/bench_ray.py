@@ -39,8 +39,8 @@ import yaml  # noqa: E402
 from opd_cache.annotate import Annotator  # noqa: E402
 from opd_cache.config import AnnotateConfig, Config  # noqa: E402
 from opd_cache.metrics import read_metrics  # noqa: E402
-from opd_cache.store import Store, make_shard_id  # noqa: E402
-from opd_cache.testing import write_synthetic_shard  # noqa: E402
+from opd_cache.store import Store  # noqa: E402
+from opd_cache.testing import write_synthetic_store  # noqa: E402
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint  # noqa: E402
 
 TEACHER = REPO / "data/models/teacher"
@@ -53,19 +53,9 @@ def make_store(uri: str, shards: int, rows: int, s3_endpoint: str | None = None)
     run = store.ensure_run(
         student=str(STUDENT), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer)
     )
-    for seq in range(shards):
-        write_synthetic_shard(
-            store,
-            run,
-            make_shard_id(0, "w00", seq),
-            num_rows=rows,
-            vocab_size=len(tokenizer),
-            top_k=8,
-            prompt_len=(8, 16),
-            response_len=(16, 32),
-            seed=seq,
-            annotate=False,
-        )
+    write_synthetic_store(
+        store, run, shards, num_rows=rows, top_k=8, prompt_len=(8, 16), response_len=(16, 32), annotate=False
+    )
     return store
 
 

@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from common import write_results
 
-from opd_cache.store import Store, make_shard_id
-from opd_cache.testing import write_synthetic_shard
+from opd_cache.store import Store
+from opd_cache.testing import write_synthetic_store
 from opd_cache.train.loader import BatchLoader
 from opd_cache.train.microbatch import decode_rows
 from opd_cache.train.shard_data import ShardCache
@@ -56,18 +56,7 @@ def make_store(root: Path, *, shards: int, rows: int, vocab: int, top_k: int, pr
     run = store.ensure_run(
         student="bench", tokenizer_fingerprint="fp-bench", vocab_size=vocab, top_k=top_k, teachers={"teacher": "bench"}
     )
-    for seq in range(shards):
-        write_synthetic_shard(
-            store,
-            run,
-            make_shard_id(0, "w00", seq),
-            num_rows=rows,
-            vocab_size=vocab,
-            top_k=top_k,
-            seed=seq,
-            prompt_len=prompt_len,
-            response_len=response_len,
-        )
+    write_synthetic_store(store, run, shards, num_rows=rows, prompt_len=prompt_len, response_len=response_len)
     return store
 
 

@@ -31,6 +31,15 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _stage_max_staleness(overrides: str, deprecated: str = "deprecated"):
+    """A stage's own max_staleness key: deprecated for the top-level `Config.max_staleness` (load_config warns)."""
+    return Field(
+        DEFAULT_MAX_STALENESS,
+        ge=0,
+        description=f"{deprecated}, use the top-level max_staleness; overrides it for {overrides}",
+    )
+
+
 class StoreConfig(Section):
     """Where the stages meet: a directory or an object-store prefix."""
 
@@ -76,11 +85,7 @@ class RolloutConfig(Section):
     seed: int = Field(0, description="seed of the prompt order and of sampling")
     follow: bool = Field(False, description="keep running until the trainer's DONE marker")
     max_buffer_samples: int = Field(4096, ge=1, description="pause while the unconsumed backlog is larger")
-    max_staleness: int = Field(
-        DEFAULT_MAX_STALENESS,
-        ge=0,
-        description="deprecated, use the top-level max_staleness; overrides it for rollout (pauses while its policy is further behind)",
-    )
+    max_staleness: int = _stage_max_staleness("rollout (pauses while its policy is further behind)")
     poll_seconds: float = Field(
         1.0, gt=0, description="wait between store checks (new policy, backlog); each is a LIST on S3"
     )
@@ -138,11 +143,7 @@ class AnnotateConfig(Section):
         None, description="teacher of the rows whose routing-key value is not in routing"
     )
     follow: bool = Field(False, description="keep annotating new shards until the trainer's train/DONE marker")
-    max_staleness: int = Field(
-        DEFAULT_MAX_STALENESS,
-        ge=0,
-        description="deprecated, use the top-level max_staleness; overrides it for annotate (skips shards the trainer cannot use)",
-    )
+    max_staleness: int = _stage_max_staleness("annotate (skips shards the trainer cannot use)")
     poll_seconds: float = Field(
         1.0, gt=0, description="wait between listings of new rollout shards; each is a LIST on S3"
     )
@@ -168,10 +169,8 @@ class TrainConfig(Section):
     beta: float = Field(LossConfig.beta, ge=0, le=1, description="JSD mixture weight (0 = forward KL, 1 = reverse KL)")
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = LossConfig.aggregation
     max_steps: int = Field(100, ge=1, description="optimizer steps to train in total")
-    max_staleness: int = Field(
-        DEFAULT_MAX_STALENESS,
-        ge=0,
-        description="deprecated in a file, use the top-level max_staleness; overrides it for the trainer (`opd train --max-staleness`)",
+    max_staleness: int = _stage_max_staleness(
+        "the trainer (`opd train --max-staleness`)", deprecated="deprecated in a file"
     )
     publish_every: int = Field(1, ge=1, description="publish a policy version every N steps")
     save_every: int = Field(10, ge=1, description="write a resume state every N steps")

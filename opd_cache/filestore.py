@@ -197,18 +197,12 @@ class FileStore:
                     os.unlink(tmp)
 
     def delete(self, rel: str) -> None:
-        with self.writing("delete", self.path(rel)):
-            try:
-                self.fs.delete_file(self.path(rel))
-            except FileNotFoundError:
-                pass
+        with self.writing("delete", self.path(rel)), contextlib.suppress(FileNotFoundError):
+            self.fs.delete_file(self.path(rel))
 
     def delete_dir(self, rel: str) -> None:
-        with self.writing("delete", self.path(rel)):
-            try:
-                self.fs.delete_dir(self.path(rel))
-            except FileNotFoundError:
-                pass
+        with self.writing("delete", self.path(rel)), contextlib.suppress(FileNotFoundError):
+            self.fs.delete_dir(self.path(rel))
 
     def remove_stale_tmp(self, older_than_s: float = 3600.0) -> list[str]:
         """Delete the `*.tmp-*` files and folders that killed writers left, once older than `older_than_s`.

@@ -24,6 +24,23 @@ DIAGNOSTICS = {
     "student_tail_mass": "student mass outside it (tail)",
     "topk_overlap": "top-k overlap (share of teacher's top-k in student's)",
 }
+# The accuracy plot's two curves: (eval key, matplotlib format, style). Strict and lenient often coincide (both
+# 1.0 at the end): lenient as large open squares on a dashed line, strict as small filled dots on a solid one
+# drawn on top, so both stay visible where they overlap.
+ACCURACY_LINES = (
+    (
+        "lenient",
+        "s--",
+        dict(
+            label="lenient accuracy (last number)",
+            color="tab:orange",
+            markersize=9,
+            markerfacecolor="none",
+            markeredgewidth=1.5,
+        ),
+    ),
+    ("strict", "o-", dict(label="strict accuracy (#### N)", color="tab:blue", markersize=4.5)),
+)
 SMOOTHING_STEPS = 20  # rolling-mean window of the noisy per-step curves (the trainer's waiting share)
 
 
@@ -142,26 +159,8 @@ def write_report(store: Store, out_dir: str | Path) -> dict:
     if evals:
         fig, ax1 = plt.subplots(figsize=(6.5, 4))
         versions = [r["version"] for r in evals]
-        # strict and lenient often coincide (both 1.0 at the end): lenient as large open squares on a dashed line,
-        # strict as small filled dots on a solid one drawn on top, so both stay visible where they overlap
-        ax1.plot(
-            versions,
-            [r["lenient"] for r in evals],
-            "s--",
-            color="tab:orange",
-            markersize=9,
-            markerfacecolor="none",
-            markeredgewidth=1.5,
-            label="lenient accuracy (last number)",
-        )
-        ax1.plot(
-            versions,
-            [r["strict"] for r in evals],
-            "o-",
-            color="tab:blue",
-            markersize=4.5,
-            label="strict accuracy (#### N)",
-        )
+        for key, fmt, style in ACCURACY_LINES:
+            ax1.plot(versions, [r[key] for r in evals], fmt, **style)
         ax1.set(xlabel="policy version", ylabel="accuracy", ylim=(-0.04, 1.04), title="Held-out accuracy and KL")
         handles, labels = ax1.get_legend_handles_labels()
         kls = [(r["version"], r["kl"]) for r in evals if r.get("kl") is not None]

@@ -8,6 +8,8 @@ token) — or random but well-formed (sorted log-probs whose mass is < 1) when n
 teacher is given. Behavior log-probs come from a `behavior` model when one is
 given (so importance ratios are exactly 1 at version 0), else are random.
 
+`write_synthetic_store` writes a whole store's worth of such shards (what the benchmarks start from).
+
 Also the scaffolding tests and benchmarks share: writing one rollout shard or annotated part from a table
 (`write_rollout_shard`, `write_annotated_part`) and a filesystem that counts its requests (`CountingFileSystem`).
 """
@@ -21,8 +23,9 @@ import numpy as np
 import pyarrow.fs as pafs
 import torch
 
+from opd_cache.manifest import RunManifest
 from opd_cache.schema import ANNOTATED, ROLLOUT, ShardMeta, annotated_table, rollout_table, write_shard
-from opd_cache.store import Store, parse_shard_id
+from opd_cache.store import Store, make_shard_id, parse_shard_id
 
 
 @torch.no_grad()
@@ -191,6 +194,19 @@ def write_synthetic_shard(
         )
         write_annotated_part(store, run, shard_id, name, part, top_k=top_k, student_topk=student_topk)
     return {"sample_ids": sample_ids, "prompts": prompts, "responses": responses}
+
+
+def write_synthetic_store(store: Store, run: RunManifest, num_shards: int, **shard_options) -> list[str]:
+    """Write shards 0..num_shards-1 of worker "w00" at policy version 0 (shard i seeded with i); returns their ids.
+
+    `shard_options`: `write_synthetic_shard`'s keyword arguments (num_rows, prompt_len, ...) except seed;
+    vocab_size and top_k default to the run manifest's, which the shards must agree with.
+    """
+    shard_options = {"vocab_size": run.vocab_size, "top_k": run.top_k} | shard_options
+    shard_ids = [make_shard_id(0, "w00", seq) for seq in range(num_shards)]
+    for seq, shard_id in enumerate(shard_ids):
+        write_synthetic_shard(store, run, shard_id, seed=seq, **shard_options)
+    return shard_ids
 
 
 class CountingFileSystem:

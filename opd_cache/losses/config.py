@@ -14,7 +14,7 @@ loss keys take their defaults from here, so each default is written once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -120,19 +120,13 @@ class LossConfig:
 
     @classmethod
     def from_train_config(cls, cfg: TrainConfig) -> LossConfig:
-        """The loss options of `opd train` (the `train` section's loss keys; docs/configuration.md)."""
-        return cls(
-            divergence=cfg.loss,
-            tail=cfg.tail,
-            beta=cfg.beta,
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            importance_cap=cfg.importance_cap,
-            chunk_size=cfg.chunk_size,
-            aggregation=cfg.aggregation,
-            distill_weight=cfg.distill_weight,
-            task_reward_weight=cfg.task_reward_weight,
-        )
+        """The loss options of `opd train` (the `train` section's loss keys; docs/configuration.md).
+
+        The divergence is the key `loss` (flag --loss); every other loss key has its field's name here, so one
+        added to both is carried over without a third edit.
+        """
+        same_name = [f.name for f in fields(cls) if f.name in type(cfg).model_fields]
+        return cls(divergence=cfg.loss, **{name: getattr(cfg, name) for name in same_name})
 
 
 def check_clip_range(clip_low: float, clip_high: float) -> None:

@@ -44,6 +44,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from opd_cache.annotate.hf_score import HFScorer
 from opd_cache.config import SamplingConfig
+from opd_cache.engine import SampleRequest
 from opd_cache.models import build_tiny_model, save_causal_lm
 from opd_cache.rollout.hf_generate import HFGenerator
 from opd_cache.tokenizer import load_tokenizer
@@ -90,8 +91,8 @@ def run_engine(name: str, make_sampler, make_scorer, prompts, n, sampling, respo
     as_arrays = lambda seqs: [np.asarray(s, dtype=np.int64) for s in seqs]  # noqa: E731
     with PeakRSS() as rss:
         sampler, start_s = timed(make_sampler)
-        sampler.generate(prompts[:2], 1, sampling, seed=0)  # warm-up (vLLM compiles here)
-        responses, gen_s = timed(lambda: sampler.generate(prompts, n, sampling, seed=1))
+        sampler.generate(prompts[:2], SampleRequest(sampling, seed=0))  # warm-up (vLLM compiles here)
+        responses, gen_s = timed(lambda: sampler.generate(prompts, SampleRequest(sampling, n, seed=1)))
         scorer, scorer_start_s = timed(lambda: make_scorer(sampler))
         seqs = responses_for_scoring or [r.token_ids for r in responses]
         prompt_rows = as_arrays([prompts[i // n] for i in range(len(seqs))])

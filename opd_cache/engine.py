@@ -65,6 +65,16 @@ FINISH_STOP = "stop"  # EOS or a stop string
 FINISH_LENGTH = "length"  # max_new_tokens reached
 
 
+@dataclass(frozen=True)
+class SampleRequest:
+    """What one `Generator.generate` call samples for each of its prompts."""
+
+    sampling: SamplingConfig  # temperature, top-k / top-p, max_new_tokens, stop strings
+    n: int = 1  # samples per prompt: response i * n + j is sample j of prompt i
+    student_topk: int = 0  # also record the student's top-k ids at every position (union support)
+    seed: int | None = None  # None: continue the engine's own random stream
+
+
 @dataclass
 class Response:
     """One sampled response, as every engine returns it."""
@@ -80,14 +90,7 @@ class Generator(Protocol):
 
     info: EngineInfo
 
-    def generate(
-        self,
-        prompt_token_ids: Sequence[Sequence[int]],
-        n: int,
-        sampling: SamplingConfig,
-        student_topk: int = 0,
-        seed: int | None = None,
-    ) -> list[Response]: ...
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], request: SampleRequest) -> list[Response]: ...
 
     def load_policy(self, path: str | os.PathLike) -> None: ...
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from opd_cache.config import SamplingConfig
-from opd_cache.engine import Response, resolve_device
+from opd_cache.engine import Response, SampleRequest, resolve_device
 from opd_cache.metrics import MetricsLog
 from opd_cache.models import load_causal_lm
 from opd_cache.retention import VersionHold
@@ -130,7 +130,7 @@ def evaluate_model(
         engine.load_policy(student_path)
     # greedy = sampling from the top-1 distribution: one code path for both
     sampling = SamplingConfig(temperature=1.0, top_k=1 if greedy else 0, max_new_tokens=max_new_tokens)
-    responses = engine.generate(prompts.prompt_ids, n=1 if greedy else n, sampling=sampling, seed=seed)
+    responses = engine.generate(prompts.prompt_ids, SampleRequest(sampling, n=1 if greedy else n, seed=seed))
     per_prompt = len(responses) // len(prompts)
     texts = tokenizer.batch_decode([r.token_ids for r in responses], skip_special_tokens=True)
     scores = [

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from opd_cache.config import SamplingConfig
+from opd_cache.engine import SampleRequest
 from opd_cache.models import build_tiny_model, load_causal_lm, save_causal_lm
 from opd_cache.rollout.hf_generate import HFGenerator, left_pad, sampling_logprobs
 
@@ -45,7 +46,9 @@ def test_behavior_logprobs_match_teacher_forced_forward(tiny_model_factory, toke
     path = tiny_model_factory("student", arch=arch)
     engine = make_engine(path, tokenizer)
     n, max_new = 4, 48
-    responses = engine.generate(prompts, n, SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=max_new), seed=3)
+    responses = engine.generate(
+        prompts, SampleRequest(SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=max_new), n=n, seed=3)
+    )
     assert len(responses) == len(prompts) * n
 
     model = load_causal_lm(path)
@@ -72,7 +75,7 @@ def test_temperature_and_top_k_logprobs_are_of_the_processed_distribution(tiny_m
     engine = make_engine(path, tokenizer)
     temperature, top_k = 0.7, 5
     responses = engine.generate(
-        prompts, 3, SamplingConfig(temperature=temperature, top_k=top_k, max_new_tokens=16), seed=0
+        prompts, SampleRequest(SamplingConfig(temperature=temperature, top_k=top_k, max_new_tokens=16), n=3, seed=0)
     )
     model = load_causal_lm(path)
     for i, r in enumerate(responses):
@@ -91,7 +94,7 @@ def test_top_p_samples_stay_in_the_nucleus_and_logprobs_renormalise(tiny_model_f
     path = tiny_model_factory("student")
     top_p = 0.3
     sampling = SamplingConfig(top_p=top_p, max_new_tokens=12)
-    responses = make_engine(path, tokenizer).generate(prompts, 2, sampling, seed=1)
+    responses = make_engine(path, tokenizer).generate(prompts, SampleRequest(sampling, n=2, seed=1))
     model = load_causal_lm(path)
     for i, r in enumerate(responses):
         probs = torch.softmax(full_forward_logits(model, prompts[i // 2], r.token_ids), -1).numpy().astype(np.float64)
@@ -106,7 +109,7 @@ def test_top_p_samples_stay_in_the_nucleus_and_logprobs_renormalise(tiny_model_f
 def test_student_topk_ids_are_the_models_top_ids(tiny_model_factory, tokenizer, prompts):
     path = tiny_model_factory("student")
     responses = make_engine(path, tokenizer).generate(
-        prompts, 2, SamplingConfig(max_new_tokens=10), student_topk=4, seed=2
+        prompts, SampleRequest(SamplingConfig(max_new_tokens=10), n=2, student_topk=4, seed=2)
     )
     model = load_causal_lm(path)
     for i, r in enumerate(responses):
@@ -118,21 +121,21 @@ def test_student_topk_ids_are_the_models_top_ids(tiny_model_factory, tokenizer, 
 def test_seed_makes_sampling_reproducible(tiny_model_factory, tokenizer, prompts):
     engine = make_engine(tiny_model_factory("student"), tokenizer)
     sampling = SamplingConfig(max_new_tokens=12)
-    a, b, c = (engine.generate(prompts, 2, sampling, seed=s) for s in (7, 7, 8))
+    a, b, c = (engine.generate(prompts, SampleRequest(sampling, n=2, seed=s)) for s in (7, 7, 8))
     assert [r.token_ids.tolist() for r in a] == [r.token_ids.tolist() for r in b]
     assert [r.token_ids.tolist() for r in a] != [r.token_ids.tolist() for r in c]
 
 
 def test_stop_string_ends_the_response_where_it_first_appears(tiny_model_factory, tokenizer, prompts):
     engine = make_engine(tiny_model_factory("student"), tokenizer)
-    free = engine.generate(prompts, 1, SamplingConfig(max_new_tokens=30), seed=4)
+    free = engine.generate(prompts, SampleRequest(SamplingConfig(max_new_tokens=30), n=1, seed=4))
     # Pick a 2-character string from the middle of the first free-running response (a character tokenizer:
     # token j is character j), then sample again with the same seed: same draws, cut where it completes.
     text_tokens = [tokenizer.decode([t]) for t in free[0].token_ids.tolist()]
     j = next(j for j in range(5, 29) if all(len(tokenizer.decode([t])) == 1 for t in free[0].token_ids[j - 1 : j + 1]))
     stop = text_tokens[j - 1] + text_tokens[j]
     first_end = next(k for k in range(1, len(text_tokens)) if stop in "".join(text_tokens[: k + 1]))
-    cut = engine.generate(prompts, 1, SamplingConfig(max_new_tokens=30, stop=[stop]), seed=4)
+    cut = engine.generate(prompts, SampleRequest(SamplingConfig(max_new_tokens=30, stop=[stop]), n=1, seed=4))
     assert cut[0].finish_reason == "stop"
     assert cut[0].token_ids.tolist() == free[0].token_ids[: first_end + 1].tolist()
     np.testing.assert_allclose(cut[0].logprobs, free[0].logprobs[: first_end + 1])
@@ -146,9 +149,11 @@ def test_padded_embedding_ids_beyond_the_tokenizer_are_never_sampled(tokenizer, 
     path = tmp_path / "padded"  # a model whose embedding is padded beyond the tokenizer
     save_causal_lm(build_tiny_model(vocab_size=len(tokenizer) + 60), tokenizer, path)
     engine = make_engine(path, tokenizer, vocab_limit=len(tokenizer))
-    responses = engine.generate(prompts, 4, SamplingConfig(max_new_tokens=20), seed=0)
+    responses = engine.generate(prompts, SampleRequest(SamplingConfig(max_new_tokens=20), n=4, seed=0))
     assert max(int(r.token_ids.max()) for r in responses) < len(tokenizer)
-    unlimited = make_engine(path, tokenizer).generate(prompts, 4, SamplingConfig(max_new_tokens=20), seed=0)
+    unlimited = make_engine(path, tokenizer).generate(
+        prompts, SampleRequest(SamplingConfig(max_new_tokens=20), n=4, seed=0)
+    )
     assert max(int(r.token_ids.max()) for r in unlimited) >= len(tokenizer)  # the mask is what keeps them out
 
 
@@ -158,7 +163,7 @@ def test_load_policy_swaps_weights_in_place(tiny_model_factory, tokenizer, promp
     model_before = engine.model
     engine.load_policy(new_path)
     assert engine.model is model_before  # same module, new weights
-    responses = engine.generate(prompts[:1], 2, SamplingConfig(max_new_tokens=10), seed=0)
+    responses = engine.generate(prompts[:1], SampleRequest(SamplingConfig(max_new_tokens=10), n=2, seed=0))
     new_model = load_causal_lm(new_path)
     for r in responses:
         expected = gather(torch.log_softmax(full_forward_logits(new_model, prompts[0], r.token_ids), -1), r.token_ids)
@@ -176,7 +181,7 @@ def test_load_policy_swaps_weights_in_place(tiny_model_factory, tokenizer, promp
 def test_empty_prompt_is_refused(tiny_model_factory, tokenizer, prompts):
     engine = make_engine(tiny_model_factory("student"), tokenizer)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        engine.generate([prompts[0], []], 1, SamplingConfig(max_new_tokens=4))
+        engine.generate([prompts[0], []], SampleRequest(SamplingConfig(max_new_tokens=4), n=1))
 
 
 def test_sampling_logprobs_filters_in_the_documented_order():

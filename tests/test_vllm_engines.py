@@ -25,6 +25,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine; the defa
 from opd_cache.annotate import Annotator
 from opd_cache.annotate.hf_score import HFScorer
 from opd_cache.config import AnnotateConfig, RolloutConfig, SamplingConfig
+from opd_cache.engine import SampleRequest
 from opd_cache.models import load_causal_lm
 from opd_cache.rollout import run_rollout
 from opd_cache.rollout.worker import make_engine
@@ -92,7 +93,7 @@ def test_sampler_runs_in_float32_and_says_so(sampler):
 
 
 def test_behavior_logprobs_equal_a_float32_forward_at_temperature_1(sampler, student, prompts):
-    responses = sampler.generate(prompts, 3, SamplingConfig(max_new_tokens=16), student_topk=4, seed=1)
+    responses = sampler.generate(prompts, SampleRequest(SamplingConfig(max_new_tokens=16), n=3, student_topk=4, seed=1))
     assert len(responses) == 9
     model = load_causal_lm(student)
     for i, r in enumerate(responses):
@@ -125,7 +126,7 @@ def processed_logprobs(logprobs: np.ndarray, temperature: float, top_k: int, top
 
 def test_behavior_logprobs_are_of_the_processed_distribution(sampler, student, prompts):
     sampling = SamplingConfig(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16)
-    responses = sampler.generate(prompts, 2, sampling, seed=2)
+    responses = sampler.generate(prompts, SampleRequest(sampling, n=2, seed=2))
     model = load_causal_lm(student)
     checked = 0
     for i, r in enumerate(responses):
@@ -144,7 +145,7 @@ def test_behavior_logprobs_are_of_the_processed_distribution(sampler, student, p
 
 def test_stop_strings_end_a_response_at_their_first_occurrence(sampler, tokenizer, prompts):
     stop = list("aeiou0123")
-    responses = sampler.generate(prompts, 4, SamplingConfig(max_new_tokens=40, stop=stop), seed=3)
+    responses = sampler.generate(prompts, SampleRequest(SamplingConfig(max_new_tokens=40, stop=stop), n=4, seed=3))
     by_stop = 0
     decode = lambda ids: tokenizer.decode(ids.tolist(), skip_special_tokens=True)  # noqa: E731  (vLLM's text)
     for r in responses:
@@ -160,9 +161,9 @@ def test_stop_strings_end_a_response_at_their_first_occurrence(sampler, tokenize
 
 def test_the_same_seed_gives_the_same_samples(sampler, prompts):
     sampling = SamplingConfig(temperature=0.9, max_new_tokens=12)
-    a = sampler.generate(prompts, 2, sampling, seed=7)
-    b = sampler.generate(prompts, 2, sampling, seed=7)
-    c = sampler.generate(prompts, 2, sampling, seed=8)
+    a = sampler.generate(prompts, SampleRequest(sampling, n=2, seed=7))
+    b = sampler.generate(prompts, SampleRequest(sampling, n=2, seed=7))
+    c = sampler.generate(prompts, SampleRequest(sampling, n=2, seed=8))
     assert [r.token_ids.tolist() for r in a] == [r.token_ids.tolist() for r in b]
     np.testing.assert_array_equal(np.concatenate([r.logprobs for r in a]), np.concatenate([r.logprobs for r in b]))
     assert [r.token_ids.tolist() for r in a] != [r.token_ids.tolist() for r in c]
@@ -170,7 +171,7 @@ def test_the_same_seed_gives_the_same_samples(sampler, prompts):
 
 def test_student_topk_above_max_logprobs_names_both_numbers(sampler, prompts):
     with pytest.raises(ValueError, match="student_topk 21 is above the vllm engine's max_logprobs 20"):
-        sampler.generate(prompts, 1, SamplingConfig(max_new_tokens=2), student_topk=21)
+        sampler.generate(prompts, SampleRequest(SamplingConfig(max_new_tokens=2), n=1, student_topk=21))
 
 
 # ---------------------------------------------------------------- annotate
@@ -353,7 +354,7 @@ def test_reload_by_recreating_the_engine(sampler, tiny_model_factory, tokenizer,
     assert sampler.reloads[-1] == "recreate" and sampler.llm is not old_llm
     assert sampler.info.dtype == "float32"
     model = load_causal_lm(new)
-    for i, r in enumerate(sampler.generate(prompts, 1, SamplingConfig(max_new_tokens=10), seed=4)):
+    for i, r in enumerate(sampler.generate(prompts, SampleRequest(SamplingConfig(max_new_tokens=10), n=1, seed=4))):
         np.testing.assert_allclose(
             r.logprobs, gathered(forward_logprobs(model, prompts[i], r.token_ids), r.token_ids), rtol=0, atol=1e-3
         )

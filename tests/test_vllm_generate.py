@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from opd_cache.config import SamplingConfig
+from opd_cache.engine import SampleRequest
 from opd_cache.rollout.vllm_generate import responses_from_vllm, sampling_params_kwargs
 from tests.conftest import REPO
 
@@ -138,7 +139,9 @@ def test_responses_from_vllm_refuses_incomplete_outputs():
 
 
 def test_sampling_params_kwargs_map_our_config():
-    kwargs = sampling_params_kwargs(SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=33), n=4, seed=11)
+    kwargs = sampling_params_kwargs(
+        SampleRequest(SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=33), n=4, seed=11)
+    )
     assert kwargs == {
         "n": 4,
         "temperature": 0.7,
@@ -150,7 +153,7 @@ def test_sampling_params_kwargs_map_our_config():
         "seed": 11,
         "detokenize": False,
     }
-    kwargs = sampling_params_kwargs(SamplingConfig(top_k=8, stop=["\n\n"]), n=1, student_topk=5)
+    kwargs = sampling_params_kwargs(SampleRequest(SamplingConfig(top_k=8, stop=["\n\n"]), n=1, student_topk=5))
     assert kwargs["top_k"] == 8 and kwargs["logprobs"] == 5 and kwargs["stop"] == ["\n\n"] and kwargs["detokenize"]
 
 

@@ -21,6 +21,7 @@ import torch
 import typer
 
 from opd_cache.cli.common import app, console, user_errors
+from opd_cache.engine import SampleRequest
 
 DEFAULT_PROMPTS = [
     "What is 12 + 7? Answer with a number.",
@@ -118,7 +119,7 @@ def _compare(v_sampler, v_scorer, hf_sampler, hf_scorer, prompt_ids, sampling, t
 
     def sample_and_score(sampler, scorer, label: str):
         """One engine samples, the other scores the sampled tokens: a row comparing their log-probs."""
-        out = sampler.generate(prompt_ids, 1, sampling, seed=seed)
+        out = sampler.generate(prompt_ids, SampleRequest(sampling, seed=seed))
         scored = scorer.score(as_arrays(prompt_ids), as_arrays([r.token_ids for r in out]), 1)
         diff = _max_diff(np.concatenate([r.logprobs for r in out]), scored.token_logprob)
         rows.append((label, diff, int(scored.num_tokens)))

@@ -2,7 +2,7 @@
 
 Every generation engine has the same small interface:
 
-    engine.generate(prompt_token_ids, n, sampling, student_topk=0, seed=None) -> list[Response]
+    engine.generate(prompt_token_ids, SampleRequest(sampling, n, student_topk=0, seed=None)) -> list[Response]
     engine.load_policy(path)          # reload the weights in place for a new policy version
 
 `generate` returns `len(prompt_token_ids) * n` responses, prompt-major
@@ -32,12 +32,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from opd_cache.config import SamplingConfig
 from opd_cache.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
     EngineInfo,
     Response,
+    SampleRequest,
     hf_engine_info,
     resolve_device,
     torch_dtype,
@@ -222,21 +222,15 @@ class HFGenerator:
 
     # ------------------------------------------------------------ sampling
     @torch.inference_mode()
-    def generate(
-        self,
-        prompt_token_ids: Sequence[Sequence[int]],
-        n: int,
-        sampling: SamplingConfig,
-        student_topk: int = 0,
-        seed: int | None = None,
-    ) -> list[Response]:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], request: SampleRequest) -> list[Response]:
         if not prompt_token_ids:
             return []
         for i, prompt in enumerate(prompt_token_ids):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        sampling, student_topk, seed = request.sampling, request.student_topk, request.seed
         generator = self.generator if seed is None else torch.Generator(device=self.device).manual_seed(seed)
-        prompts = [list(p) for p in prompt_token_ids for _ in range(n)]  # n samples: repeat each prompt
+        prompts = [list(p) for p in prompt_token_ids for _ in range(request.n)]  # n samples: repeat each prompt
         batch = len(prompts)
         max_new = sampling.max_new_tokens
         stop = list(sampling.stop)

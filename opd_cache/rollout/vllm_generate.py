@@ -2,7 +2,7 @@
 
 Same interface as `hf_generate.HFGenerator`:
 
-    engine.generate(prompt_token_ids, n, sampling, student_topk=0, seed=None) -> list[Response]
+    engine.generate(prompt_token_ids, SampleRequest(sampling, n, student_topk=0, seed=None)) -> list[Response]
     engine.load_policy(path)
 
 Behavior log-probs. By default vLLM returns log-probs of the *raw* model
@@ -46,8 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from opd_cache.config import SamplingConfig
-from opd_cache.engine import FINISH_LENGTH, FINISH_STOP, EngineInfo, Response
+from opd_cache.engine import FINISH_LENGTH, FINISH_STOP, EngineInfo, Response, SampleRequest
 from opd_cache.vllm_common import start_llm, vllm_engine_info
 
 logger = logging.getLogger(__name__)
@@ -110,17 +109,18 @@ def responses_from_vllm(request_outputs: Sequence[Any], n: int, student_topk: in
     return responses
 
 
-def sampling_params_kwargs(sampling: SamplingConfig, n: int, student_topk: int = 0, seed: int | None = None) -> dict:
-    """Keyword arguments of `vllm.SamplingParams` for our sampling config."""
+def sampling_params_kwargs(request: SampleRequest) -> dict:
+    """Keyword arguments of `vllm.SamplingParams` for our sampling request."""
+    sampling = request.sampling
     return {
-        "n": n,
+        "n": request.n,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # -1 = no top-k in every vLLM version
         "max_tokens": sampling.max_new_tokens,
-        "logprobs": student_topk,  # 0 = only the sampled token's log-prob
+        "logprobs": request.student_topk,  # 0 = only the sampled token's log-prob
         "stop": list(sampling.stop) or None,
-        "seed": seed,
+        "seed": request.seed,
         "detokenize": bool(sampling.stop),  # text is only needed to find stop strings
     }
 
@@ -185,25 +185,20 @@ class VLLMGenerator:
     def info(self) -> EngineInfo:
         return vllm_engine_info(self.llm)
 
-    def generate(
-        self,
-        prompt_token_ids: Sequence[Sequence[int]],
-        n: int,
-        sampling: SamplingConfig,
-        student_topk: int = 0,
-        seed: int | None = None,
-    ) -> list[Response]:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], request: SampleRequest) -> list[Response]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if not prompt_token_ids:
             return []
-        if student_topk > self.max_logprobs:
-            raise ValueError(f"student_topk {student_topk} is above the vllm engine's max_logprobs {self.max_logprobs}")
-        params = SamplingParams(**sampling_params_kwargs(sampling, n, student_topk, seed))
+        if request.student_topk > self.max_logprobs:
+            raise ValueError(
+                f"student_topk {request.student_topk} is above the vllm engine's max_logprobs {self.max_logprobs}"
+            )
+        params = SamplingParams(**sampling_params_kwargs(request))
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return responses_from_vllm(outputs, n, student_topk)
+        return responses_from_vllm(outputs, request.n, request.student_topk)
 
     def load_policy(self, path: str | os.PathLike) -> None:
         """Load a published policy: in place through the workers' `reload_weights`, else a new engine."""

@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 
 from opd_cache.config import RolloutConfig
-from opd_cache.engine import engine_fields
+from opd_cache.engine import SampleRequest, engine_fields
 from opd_cache.metrics import MetricsLog
 from opd_cache.retention import VersionHold
 from opd_cache.rollout.display import ProgressDisplay
@@ -380,13 +380,10 @@ class RolloutWorker:
         tic = time.monotonic()
         if not len(buffer):
             buffer.started = tic  # flush_seconds counts from when the shard's first batch started
-        responses = self.engine.generate(
-            [self.prompts.prompt_ids[p] for p in positions],
-            cfg.n,
-            cfg.sampling,
-            student_topk=self.student_topk,
-            seed=batch_seed(cfg.seed, self.worker, self.cursor),
+        request = SampleRequest(
+            cfg.sampling, cfg.n, student_topk=self.student_topk, seed=batch_seed(cfg.seed, self.worker, self.cursor)
         )
+        responses = self.engine.generate([self.prompts.prompt_ids[p] for p in positions], request)
         result.generate_seconds += time.monotonic() - tic
         buffer.add(self.prompts, positions, responses, cfg.n)
         self.cursor += count

@@ -106,6 +106,18 @@ class TeacherScores:
     token_logprob: np.ndarray  # [T] float32, log-prob of the sampled token (exact, even outside the top-k)
     support_logprobs: np.ndarray | None = None  # [T, k_s] float32, log-probs at the given support ids
 
+    @classmethod
+    def zeros(cls, lengths: np.ndarray, k: int, support_k: int | None = None) -> TeacherScores:
+        """All-zero scores of rows with `lengths` response tokens, for a back-end to fill in (no support: None)."""
+        total = int(lengths.sum())
+        return cls(
+            lengths=lengths,
+            topk_ids=np.zeros((total, k), dtype=np.int32),
+            topk_logprobs=np.zeros((total, k), dtype=np.float32),
+            token_logprob=np.zeros(total, dtype=np.float32),
+            support_logprobs=np.zeros((total, support_k), dtype=np.float32) if support_k is not None else None,
+        )
+
     @property
     def num_tokens(self) -> int:
         return int(self.token_logprob.shape[0])

@@ -141,16 +141,8 @@ class HFScorer:
         lengths = np.array([len(r) for r in responses], dtype=np.int64)
         if len(prompt_lens) and prompt_lens.min() == 0:
             raise ValueError(f"row {int(np.argmin(prompt_lens))} has an empty prompt: nothing predicts its first token")
-        support_k = _support_width(support_ids, lengths) if support_ids is not None else 0
-
-        total = int(lengths.sum())
-        out = TeacherScores(
-            lengths=lengths,
-            topk_ids=np.zeros((total, k), dtype=np.int32),
-            topk_logprobs=np.zeros((total, k), dtype=np.float32),
-            token_logprob=np.zeros(total, dtype=np.float32),
-            support_logprobs=np.zeros((total, support_k), dtype=np.float32) if support_ids is not None else None,
-        )
+        support_k = _support_width(support_ids, lengths) if support_ids is not None else None
+        out = TeacherScores.zeros(lengths, k, support_k)
         row_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=row_offsets[1:])
 

@@ -139,13 +139,7 @@ class VLLMScorer:
                 else f"top-k {k} must be at least 1"
             )
         lengths = np.array([len(r) for r in responses], dtype=np.int64)
-        total = int(lengths.sum())
-        out = TeacherScores(
-            lengths=lengths,
-            topk_ids=np.zeros((total, k), dtype=np.int32),
-            topk_logprobs=np.zeros((total, k), dtype=np.float32),
-            token_logprob=np.zeros(total, dtype=np.float32),
-        )
+        out = TeacherScores.zeros(lengths, k)
         rows = np.nonzero(lengths > 0)[0]  # empty responses have nothing to score
         requests = [
             TokensPrompt(prompt_token_ids=np.concatenate([prompts[i], responses[i]]).astype(int).tolist()) for i in rows

@@ -78,6 +78,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common import markdown_table
+
 from opd_cache.config import Config
 from opd_cache.demo import demo_config, ensure_demo_models
 from opd_cache.metrics import read_metrics
@@ -324,74 +326,64 @@ def pipeline_table(results: dict) -> str:
     def ratio(r, key):
         return _fmt(r[key] / base[key] if r.get(key) and base.get(key) else None, ".2f")
 
-    lines = [
-        "| run | wall s | ×sync | start → last step s | ×sync | s/step (steady) | ×sync | CPU s, all processes "
-        "| ×sync | trainer busy | trainer median step s | load avg |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    header = ["run", "wall s", "×sync", "start → last step s", "×sync", "s/step (steady)", "×sync"]
+    header += ["CPU s, all processes", "×sync", "trainer busy", "trainer median step s", "load avg"]
+    rows = [
+        [name, f"{r['wall_s']:.0f}", ratio(r, "wall_s"), _fmt(r["time_to_last_step_s"], ".0f")]
+        + [ratio(r, "time_to_last_step_s"), _fmt(r["seconds_per_step"], ".2f"), ratio(r, "seconds_per_step")]
+        + [_fmt(r["cpu_s"], ".0f"), ratio(r, "cpu_s"), _fmt(r["trainer_busy_share"], ".0%")]
+        + [_fmt(r["trainer_median_step_s"], ".3f"), _fmt(r["load_avg"], ".1f")]
+        for name, r in _runs(results, [*PIPELINE, "replay"])
     ]
-    for name in [*PIPELINE, "replay"]:
-        r = results.get(name)
-        if r is not None:
-            lines.append(
-                f"| {name} | {r['wall_s']:.0f} | {ratio(r, 'wall_s')} | {_fmt(r['time_to_last_step_s'], '.0f')} "
-                f"| {ratio(r, 'time_to_last_step_s')} | {_fmt(r['seconds_per_step'], '.2f')} "
-                f"| {ratio(r, 'seconds_per_step')} | {_fmt(r['cpu_s'], '.0f')} | {ratio(r, 'cpu_s')} "
-                f"| {_fmt(r['trainer_busy_share'], '.0%')} | {_fmt(r['trainer_median_step_s'], '.3f')} "
-                f"| {_fmt(r['load_avg'], '.1f')} |"
-            )
-    return "\n".join(lines)
+    return markdown_table(header, "l" + "r" * 11, rows)
 
 
 def data_table(results: dict) -> str:
     """What was computed and what it bought: samples, staleness, the final evaluation."""
-    lines = [
-        "| run | generated | annotated | expired | trained | mean staleness | final version | final strict "
-        "| final lenient | final KL |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name in [*PIPELINE, "replay", *LOSS_RUNS]:
-        r = results.get(name)
-        if r is not None:
-            f = r["final"] or {}
-            lines.append(
-                f"| {name} | {r['generated_samples']} | {r['annotated_samples']} | {r['expired_samples']} "
-                f"| {r['trained_samples']} | {r['mean_staleness']:.2f} | {f.get('version')} "
-                f"| {_fmt(f.get('strict'))} | {_fmt(f.get('lenient'))} | {_fmt(f.get('kl'), '.4f')} |"
-            )
-    return "\n".join(lines)
+    header = ["run", "generated", "annotated", "expired", "trained", "mean staleness", "final version"]
+    header += ["final strict", "final lenient", "final KL"]
+    rows = []
+    for name, r in _runs(results, [*PIPELINE, "replay", *LOSS_RUNS]):
+        f = r["final"] or {}
+        rows.append(
+            [name, r["generated_samples"], r["annotated_samples"], r["expired_samples"], r["trained_samples"]]
+            + [f"{r['mean_staleness']:.2f}", f.get("version"), _fmt(f.get("strict")), _fmt(f.get("lenient"))]
+            + [_fmt(f.get("kl"), ".4f")]
+        )
+    return markdown_table(header, "l" + "r" * 9, rows)
 
 
 def loss_table(results: dict) -> str:
-    lines = [
-        "| loss | wall s | strict at v0 | best strict (step) | final strict | final lenient | KL at v0 | "
-        "final KL | KL ↓ |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    header = ["loss", "wall s", "strict at v0", "best strict (step)", "final strict", "final lenient", "KL at v0"]
+    header += ["final KL", "KL ↓"]
+    rows = []
     for label, name in LOSS_CURVES.items():
         r = results.get(name)
         if r is None or not r["curve"]:
             continue
         first, f = r["curve"][0], r["final"]
         best = max(r["curve"], key=lambda e: (e["strict"], -(e["step"] or 0)))
-        lines.append(
-            f"| {label} | {r['wall_s']:.0f} | {first['strict']:.3f} | {best['strict']:.3f} ({best['step']}) "
-            f"| {f['strict']:.3f} | {f['lenient']:.3f} | {first['kl']:.3f} | {f['kl']:.4f} "
-            f"| {first['kl'] / max(f['kl'], 1e-12):.1f}× |"
+        rows.append(
+            [label, f"{r['wall_s']:.0f}", f"{first['strict']:.3f}", f"{best['strict']:.3f} ({best['step']})"]
+            + [f"{f['strict']:.3f}", f"{f['lenient']:.3f}", f"{first['kl']:.3f}", f"{f['kl']:.4f}"]
+            + [f"{first['kl'] / max(f['kl'], 1e-12):.1f}×"]
         )
-    return "\n".join(lines)
+    return markdown_table(header, "l" + "r" * 8, rows)
 
 
 def staleness_table(results: dict) -> str:
-    lines = [
-        "| run | staleness of trained rows (versions: rows) | trainer compute s | trainer data wait s |",
-        "|---|---|---:|---:|",
+    header = ["run", "staleness of trained rows (versions: rows)", "trainer compute s", "trainer data wait s"]
+    rows = [
+        [name, ", ".join(f"{k}: {v}" for k, v in r["staleness_histogram"].items())]
+        + [f"{r['trainer_compute_s']:.0f}", f"{r['trainer_data_wait_s']:.0f}"]
+        for name, r in _runs(results, [*PIPELINE, "replay", *LOSS_RUNS])
     ]
-    for name in [*PIPELINE, "replay", *LOSS_RUNS]:
-        r = results.get(name)
-        if r is not None:
-            hist = ", ".join(f"{k}: {v}" for k, v in r["staleness_histogram"].items())
-            lines.append(f"| {name} | {hist} | {r['trainer_compute_s']:.0f} | {r['trainer_data_wait_s']:.0f} |")
-    return "\n".join(lines)
+    return markdown_table(header, "llrr", rows)
+
+
+def _runs(results: dict, names) -> list[tuple[str, dict]]:
+    """(name, result) of the runs among `names` that this invocation has results for, in that order."""
+    return [(name, results[name]) for name in names if results.get(name) is not None]
 
 
 def plot(results: dict, names: dict[str, str], path: Path, title: str, with_time: bool) -> None:

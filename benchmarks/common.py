@@ -24,6 +24,14 @@ def child_json(cmd: list[str], what: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def markdown_table(header: list[str], align: str, rows: list[list]) -> str:
+    """A Markdown table as the benchmarks print it; `align`: one letter per column, l (text) or r (numbers)."""
+    rule = {"l": "---", "r": "---:"}
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule[a] for a in align) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def write_results(path: Path, result: dict) -> None:
     """Write a benchmark's figures to benchmarks/results/ (docs/benchmarks.md quotes them) and say where."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -228,9 +228,9 @@ class HFGenerator:
         for i, prompt in enumerate(prompt_token_ids):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        sampling, student_topk, seed = request.sampling, request.student_topk, request.seed
+        n, sampling, student_topk, seed = request.n, request.sampling, request.student_topk, request.seed
         generator = self.generator if seed is None else torch.Generator(device=self.device).manual_seed(seed)
-        prompts = [list(p) for p in prompt_token_ids for _ in range(request.n)]  # n samples: repeat each prompt
+        prompts = [list(p) for p in prompt_token_ids for _ in range(n)]  # n samples: repeat each prompt
         batch = len(prompts)
         max_new = sampling.max_new_tokens
         stop = list(sampling.stop)

@@ -23,10 +23,13 @@ from tests.helpers import tiny_run_config, write_config
 STEPS, BATCH = 4, 16
 
 
-def tiny_config(tmp_path: Path) -> Path:
+def tiny_config(tmp_path: Path, store: dict | None = None) -> Path:
+    """The tiny run with an evaluator, on the store tmp_path/store or on `store` (a whole store section)."""
     config = tiny_run_config(
         str(tmp_path / "store"), steps=STEPS, batch=BATCH, evaluate=True, run={"drain_seconds": 120}
     )
+    if store is not None:
+        config["store"] = store
     return write_config(tmp_path, config)
 
 

@@ -20,7 +20,6 @@ from opd_cache.annotate import Annotator
 from opd_cache.annotate.leases import LEASES_DIR, LeaseBook
 from opd_cache.metrics import read_metrics
 from opd_cache.schema import ANNOTATED, read_shard
-from opd_cache.tokenizer import tokenizer_fingerprint
 from tests.conftest import REPO
 from tests.test_annotate import config, write_shards
 
@@ -33,13 +32,8 @@ def any_store(request):
 
 
 @pytest.fixture
-def store(local_store, tokenizer, tiny_model_factory):
-    local_store.ensure_run(
-        student=str(tiny_model_factory("student", seed=0)),
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-        vocab_size=len(tokenizer),
-    )
-    return local_store
+def store(student_store):
+    return student_store  # a local store whose run.json has the shipped tokenizer and a tiny student (conftest.py)
 
 
 @pytest.fixture

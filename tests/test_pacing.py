@@ -14,45 +14,27 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
 from opd_cache.rollout.pacing import BacklogGauge
 from opd_cache.schema import count_rows
 from opd_cache.store import Store
 from tests.conftest import write_random_rollout_shard
+from tests.helpers import InThread, tiny_run_config, write_config
 from tests.test_trainer import student_path, teacher  # noqa: F401  (fixtures)
 
-REPO = Path(__file__).resolve().parents[1]
-STEPS, BATCH, N = 6, 8, 4
+STEPS, BATCH = 6, 8
 
 
-def tiny_run_config(tmp_path: Path) -> Path:
-    """A run like tests/test_run.py's, without the evaluator; a lead (max_buffer_samples) of the whole run."""
-    config = {
-        "store": {"uri": str(tmp_path / "store")},
-        "rollout": {
-            "student": str(REPO / "data/models/student"),
-            "prompts": str(REPO / "data/arithmetic/train.parquet"),
-            "n": N,
-            "batch_prompts": 2,
-            "flush_rows": BATCH,
-            "max_buffer_samples": STEPS * BATCH,
-            "sampling": {"max_new_tokens": 8},
-        },
-        "annotate": {"teacher": str(REPO / "data/models/teacher"), "top_k": 4},
-        "train": {
-            "max_steps": STEPS,
-            "global_batch_samples": BATCH,
-            "lr": 1e-3,
-            "publish_every": 2,
-            "save_every": 3,
-            "max_staleness": 2,
-        },
-        "run": {"evaluate": False},
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+def paced_run_config(tmp_path: Path) -> Path:
+    """The tiny run without the evaluator, with a lead (max_buffer_samples) of the whole run."""
+    config = tiny_run_config(
+        str(tmp_path / "store"),
+        steps=STEPS,
+        batch=BATCH,
+        rollout={"batch_prompts": 2, "max_buffer_samples": STEPS * BATCH, "sampling": {"max_new_tokens": 8}},
+        annotate={"top_k": 4},
+        train={"save_every": 3, "max_staleness": 2},
+    )
+    return write_config(tmp_path, config)
 
 
 def overshoot(store: Store) -> dict:
@@ -74,7 +56,7 @@ def overshoot(store: Store) -> dict:
 
 
 def run_tiny(tmp_path: Path) -> dict:
-    cmd = [sys.executable, "-m", "opd_cache.cli", "run", "--config", str(tiny_run_config(tmp_path))]
+    cmd = [sys.executable, "-m", "opd_cache.cli", "run", "--config", str(paced_run_config(tmp_path))]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return overshoot(Store(tmp_path / "store"))
@@ -129,81 +111,54 @@ def test_demand_counts_every_workers_rows_and_ignores_consumed_and_expired_ones(
 
 
 def test_annotate_scores_only_what_the_remaining_steps_need_and_rescores_a_quarantined_part(
-    local_store, tokenizer, tiny_model_factory
+    student_store, tokenizer, tiny_model_factory
 ):
     from opd_cache.annotate import annotate
     from opd_cache.config import AnnotateConfig
-    from opd_cache.tokenizer import tokenizer_fingerprint
 
-    run = local_store.ensure_run(
-        student=str(tiny_model_factory("student", seed=0)),
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-        vocab_size=len(tokenizer),
-    )
+    store, run = student_store, student_store.require_run()
     for seq in range(5):
         write_random_rollout_shard(
-            local_store, shard_id=f"v000000-w00-{seq:06d}", num_rows=6, vocab_size=len(tokenizer), seed=seq, run=run
+            store, shard_id=f"v000000-w00-{seq:06d}", num_rows=6, vocab_size=len(tokenizer), seed=seq, run=run
         )
     # the trainer trained 6 of the 18 its steps need: two more shards of 6 rows cover the rest
-    local_store.write_progress(
+    store.write_progress(
         {"samples_needed_total": 18, "trained_samples": 6, "consumed_samples": 6, "expired_samples": 0}
     )
     cfg = AnnotateConfig(teacher=str(tiny_model_factory("teacher", seed=1)), top_k=4)
-    first = annotate(local_store, cfg, progress=False)
+    first = annotate(store, cfg, progress=False)
     assert len(first.annotated) == 3, first.annotated  # the trained shard's part, and two more
-    parts = local_store.list_annotated_parts()
+    parts = store.list_annotated_parts()
     assert len(parts) == 3
-    local_store.quarantine(local_store.annotated_path(first.annotated[-1], "teacher"), "damaged")
-    again = annotate(local_store, cfg, progress=False)
+    store.quarantine(store.annotated_path(first.annotated[-1], "teacher"), "damaged")
+    again = annotate(store, cfg, progress=False)
     assert again.annotated == [first.annotated[-1]]  # scored again: the trainer needs those rows
-    local_store.mark_done()
-    assert len(annotate(local_store, cfg, progress=False).annotated) == 2  # DONE: no demand, score the rest
+    store.mark_done()
+    assert len(annotate(store, cfg, progress=False).annotated) == 2  # DONE: no demand, score the rest
 
 
 def test_rows_expiring_while_the_trainer_waits_stop_counting_as_coverage_during_the_wait(
     tmp_path, student_path, tokenizer, teacher
 ):
     """Without this the run could end in a deadlock: rollout sees its stale rows as coverage, the trainer waits."""
-    import threading
-    import time
-
-    from opd_cache.store import make_shard_id
-    from opd_cache.testing import write_synthetic_shard
     from opd_cache.train.trainer import train
-    from tests.test_trainer import K, config, make_store
+    from tests.test_trainer import config, make_store
 
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher, shards=2, rows=8)
-    errors = []
-
-    def run_trainer():
-        try:
-            train(config(store, max_steps=2, max_staleness=0, publish_every=1, follow=True, poll_seconds=0.05))
-        except BaseException as e:  # surfaced by the assertions below
-            errors.append(e)
-
-    trainer = threading.Thread(target=run_trainer)
-    trainer.start()
-    deadline = time.monotonic() + 60
+    trainer = InThread(
+        lambda: train(config(store, max_steps=2, max_staleness=0, publish_every=1, follow=True, poll_seconds=0.05))
+    )
     # step 1 trained shard 0 at version 0; step 2 (version 1) expires shard 1 and waits for version-1 rows
-    while not (store.latest_version() == 1 and store.read_progress().get("expired_samples") == 8):
-        assert time.monotonic() < deadline and trainer.is_alive(), errors
-        time.sleep(0.05)
+    trainer.wait_until(
+        lambda: store.latest_version() == 1 and store.read_progress().get("expired_samples") == 8,
+        "version 1 with shard 1 expired",
+    )
     progress = store.read_progress()
     assert progress["step"] == 1 and progress["samples_needed_total"] == 16 and not store.is_done()
     gauge = BacklogGauge(store)
     assert gauge.backlog() == 0 and gauge.demand == 8  # shard 1's rows are gone: 8 rows still to sample
-    write_synthetic_shard(
-        store,
-        store.require_run(),
-        make_shard_id(1, "w00", 0),
-        num_rows=8,
-        vocab_size=len(tokenizer),
-        top_k=K,
-        seed=77,
-        teachers={"teacher": teacher},
-    )
-    trainer.join(timeout=60)
-    assert not trainer.is_alive() and not errors, errors
+    make_store(store, student_path, tokenizer, teacher, shards=1, rows=8, version=1)
+    trainer.join()
     assert store.is_done() and store.read_progress()["trained_samples"] == 16
 
 

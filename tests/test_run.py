@@ -14,36 +14,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 
 from opd_cache.metrics import read_metrics
 from opd_cache.store import Store
 from opd_cache.train.checkpoint import complete_states, read_ledger, verify_ledger
+from tests.helpers import tiny_run_config, write_config
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS, BATCH = 4, 16
 
 
-def tiny_config(tmp_path: Path) -> Path:
-    config = {
-        "store": {"uri": str(tmp_path / "store")},
-        "rollout": {
-            "student": str(REPO / "data/models/student"),
-            "prompts": str(REPO / "data/arithmetic/train.parquet"),
-            "n": 4,
-            "batch_prompts": 4,
-            "flush_rows": BATCH,
-            "max_buffer_samples": 3 * BATCH,
-            "sampling": {"max_new_tokens": 10},
-        },
-        "annotate": {"teacher": str(REPO / "data/models/teacher"), "top_k": 8},
-        "train": {"max_steps": STEPS, "global_batch_samples": BATCH, "lr": 1e-3, "publish_every": 2, "save_every": 2},
-        "eval": {"prompts": str(REPO / "data/arithmetic/test.parquet"), "max_prompts": 16, "max_new_tokens": 10},
-        "run": {"eval_every": 1, "drain_seconds": 120},
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+def tiny_config(tmp_path: Path, store: dict | None = None) -> Path:
+    """The tiny run with an evaluator, on the store tmp_path/store or on `store` (a whole store section)."""
+    config = tiny_run_config(
+        str(tmp_path / "store"), steps=STEPS, batch=BATCH, evaluate=True, run={"drain_seconds": 120}
+    )
+    if store is not None:
+        config["store"] = store
+    return write_config(tmp_path, config)
 
 
 @dataclass

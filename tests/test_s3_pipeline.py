@@ -14,7 +14,6 @@ import sys
 import time
 
 import pytest
-import yaml
 
 from opd_cache.store import Store
 from tests.test_run import assert_tiny_run_finished, exit_codes, tiny_config
@@ -33,10 +32,7 @@ def s3_run(tmp_path_factory, s3_endpoint):
     for key, value in CREDENTIALS.items():
         patch.setenv(key, value)
     Store(uri, s3_endpoint=s3_endpoint).fs.create_dir(bucket)
-    config_path = tiny_config(tmp)
-    config = yaml.safe_load(config_path.read_text())
-    config["store"] = {"uri": uri, "s3_endpoint": s3_endpoint}
-    config_path.write_text(yaml.safe_dump(config))
+    config_path = tiny_config(tmp, store={"uri": uri, "s3_endpoint": s3_endpoint})
     cmd = [sys.executable, "-m", "opd_cache.cli", "run", "--config", str(config_path), "--quiet"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp, env=env)
     yield tmp, Store(uri, s3_endpoint=s3_endpoint), out

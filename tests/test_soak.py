@@ -31,10 +31,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
 
 from opd_cache.store import Store
 from opd_cache.train.checkpoint import verify_ledger
+from tests.helpers import tiny_run_config, write_config
 
 pytestmark = pytest.mark.soak
 
@@ -44,36 +44,22 @@ BATCH, KEEP_VERSIONS, KEEP_STATES = 4, 3, 2
 
 
 def soak_config(tmp_path: Path) -> Path:
-    config = {
-        "store": {"uri": str(tmp_path / "store")},
-        "rollout": {
-            "student": str(REPO / "data/models/student"),
-            "prompts": str(REPO / "data/arithmetic/train.parquet"),
-            "n": 4,
-            "batch_prompts": 1,
-            "flush_rows": BATCH,  # one shard per step, two steps ahead: rows rarely expire
-            "max_buffer_samples": 2 * BATCH,
-            "sampling": {"max_new_tokens": 10},
-            "poll_seconds": 0.05,
-            "max_staleness": 4,
-        },
-        "annotate": {"teacher": str(REPO / "data/models/teacher"), "top_k": 8, "poll_seconds": 0.05},
-        "train": {
-            "max_steps": STEPS,
-            "global_batch_samples": BATCH,
-            "lr": 1e-3,
+    config = tiny_run_config(
+        str(tmp_path / "store"),
+        steps=STEPS,
+        batch=BATCH,
+        poll_seconds=0.05,
+        # one shard per step, two steps ahead: rows rarely expire
+        rollout={"batch_prompts": 1, "max_buffer_samples": 2 * BATCH, "max_staleness": 4},
+        train={
             "publish_every": 1,
             "save_every": 100,
             "max_staleness": 4,
-            "poll_seconds": 0.05,
             "keep_versions": KEEP_VERSIONS,
             "keep_states": KEEP_STATES,
         },
-        "run": {"evaluate": False},
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    )
+    return write_config(tmp_path, config)
 
 
 def folder_bytes(path: Path) -> int:

@@ -87,12 +87,16 @@ def test_latest_version_and_publish(store, tmp_path):
     assert store.exists("policy/v000002/model.safetensors")
 
 
-def test_latest_pointing_at_missing_version_is_reported(store):
-    store.write_bytes("policy/LATEST", b"7\n")
-    with pytest.raises(StoreError, match=r"points at version 7 but .*policy/v000007 is missing or incomplete"):
-        store.latest_version()
-    store.write_bytes("policy/LATEST", b"seven")
-    with pytest.raises(StoreError, match=r"holds 'seven', expected a version number"):
+@pytest.mark.parametrize(
+    "latest, message",
+    [
+        (b"7\n", r"points at version 7 but .*policy/v000007 is missing or incomplete"),
+        (b"seven", r"holds 'seven', expected a version number"),
+    ],
+)
+def test_latest_pointing_at_missing_version_is_reported(store, latest, message):
+    store.write_bytes("policy/LATEST", latest)
+    with pytest.raises(StoreError, match=message):
         store.latest_version()
 
 

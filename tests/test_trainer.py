@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from opd_cache.train.shard_data import ShardCache
 from opd_cache.train.stream import ShardStream
 from opd_cache.train.task_reward import score_batch
 from opd_cache.train.trainer import check_inputs, learning_rate
+from tests.helpers import InThread
 
 REPO = Path(__file__).resolve().parents[1]
 K = 8
@@ -62,7 +62,11 @@ def make_store(
     version: int = 0,
     seq0: int = 0,
     run_extra: dict | None = None,
+    **shard_fields,
 ) -> Store:
+    """`shards` synthetic shards of `rows` rows, annotated by `teacher`, sampled by the student (behavior log-probs
+    of `student_path`) at policy `version`, added to the store at `root` (its run.json written or checked first);
+    `shard_fields`: more of `write_synthetic_shard`'s arguments (ground truth, group size, ...)."""
     store = root if isinstance(root, Store) else Store(root)
     run = store.ensure_run(
         student=str(student_path),
@@ -84,6 +88,7 @@ def make_store(
             seed=1000 * version + seq,
             teachers={"teacher": teacher},
             behavior=behavior,
+            **shard_fields,
         )
     return store
 
@@ -228,34 +233,17 @@ def test_rows_older_than_the_bound_expire_and_are_never_trained(tmp_path, studen
 
 def test_max_staleness_zero_waits_for_data_of_the_current_version(tmp_path, student_path, tokenizer, teacher):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher, shards=2, rows=8)
-    errors = []
-
-    def run_trainer():
-        try:
-            train(config(store, max_steps=2, max_staleness=0, publish_every=1, follow=True, poll_seconds=0.05))
-        except BaseException as e:  # surfaced by the assertion below
-            errors.append(e)
-
-    trainer = threading.Thread(target=run_trainer)
-    trainer.start()
-    deadline = time.monotonic() + 60
-    while not (store.latest_version() == 1 and store.exists(f"train/skipped/{make_shard_id(0, 'w00', 1)}.jsonl")):
-        assert time.monotonic() < deadline and trainer.is_alive(), errors
-        time.sleep(0.05)
+    trainer = InThread(
+        lambda: train(config(store, max_steps=2, max_staleness=0, publish_every=1, follow=True, poll_seconds=0.05))
+    )
+    trainer.wait_until(
+        lambda: store.latest_version() == 1 and store.exists(f"train/skipped/{make_shard_id(0, 'w00', 1)}.jsonl"),
+        "version 1 with shard 1 expired",
+    )
     time.sleep(0.5)  # the trainer must be waiting now: nothing of version 1 exists yet
     assert store.read_progress()["step"] == 1 and not store.is_done()
-    write_synthetic_shard(
-        store,
-        store.require_run(),
-        make_shard_id(1, "w00", 0),
-        num_rows=8,
-        vocab_size=len(tokenizer),
-        top_k=K,
-        seed=77,
-        teachers={"teacher": teacher},
-    )
-    trainer.join(timeout=60)
-    assert not trainer.is_alive() and not errors, errors
+    make_store(store, student_path, tokenizer, teacher, shards=1, rows=8, version=1)
+    trainer.join()
     assert store.is_done()
     trained, skipped = read_ledger(store)
     assert trained[2] == [f"{make_shard_id(1, 'w00', 0)}-{i}" for i in range(8)]
@@ -444,18 +432,8 @@ def test_task_rewards_are_group_normalised(local_store, tokenizer):
 
 
 def test_pg_loss_with_task_reward_trains_end_to_end(tmp_path, student_path, tokenizer, teacher):
-    store = make_store(tmp_path / "store", student_path, tokenizer, teacher, shards=0, rows=8)
-    write_synthetic_shard(
-        store,
-        store.require_run(),
-        make_shard_id(0, "w00", 0),
-        num_rows=8,
-        vocab_size=len(tokenizer),
-        top_k=K,
-        teachers={"teacher": teacher},
-        ground_truth=["3"] * 8,
-        group_size=4,
-        behavior=load_causal_lm(student_path),
+    store = make_store(
+        tmp_path / "store", student_path, tokenizer, teacher, shards=1, rows=8, ground_truth=["3"] * 8, group_size=4
     )
     result = train(config(store, max_steps=1, loss="pg", importance_cap=2.0, task_reward_weight=0.5))
     assert result.step == 1

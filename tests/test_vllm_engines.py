@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -32,6 +31,7 @@ from opd_cache.rollout.worker import make_engine
 from opd_cache.schema import ANNOTATED, ROLLOUT, read_shard
 from opd_cache.tokenizer import tokenizer_fingerprint
 from tests.conftest import write_random_rollout_shard
+from tests.helpers import InThread
 
 MAX_LEN = 96  # the models' context (max_position_embeddings): vLLM's max_model_len
 VLLM_MODEL = dict(hidden_size=64, num_heads=2, intermediate_size=128, max_position_embeddings=MAX_LEN)
@@ -215,26 +215,17 @@ def test_two_teachers_with_routing_on_the_vllm_scorer(scorer, teacher, tokenizer
         student=str(teacher), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer)
     )
     run = local_store.require_run()
-    write_random_rollout_shard(
-        local_store,
-        shard_id="v000000-w00-000000",
-        num_rows=5,
-        vocab_size=len(tokenizer),
-        max_response=8,
-        seed=1,
-        run=run,
-        data_source="math",
-    )
-    write_random_rollout_shard(
-        local_store,
-        shard_id="v000000-w00-000001",
-        num_rows=4,
-        vocab_size=len(tokenizer),
-        max_response=8,
-        seed=2,
-        run=run,
-        data_source="code",
-    )
+    for seq, (rows, data_source) in enumerate([(5, "math"), (4, "code")]):
+        write_random_rollout_shard(
+            local_store,
+            shard_id=f"v000000-w00-{seq:06d}",
+            num_rows=rows,
+            vocab_size=len(tokenizer),
+            max_response=8,
+            seed=seq + 1,
+            run=run,
+            data_source=data_source,
+        )
     routing = {"math": "tA", "code": "tB"}
     for name in ("tA", "tB"):
         cfg = AnnotateConfig(teacher=str(teacher), teacher_name=name, engine="vllm", top_k=8, routing=routing)
@@ -256,6 +247,63 @@ def test_two_teachers_with_routing_on_the_vllm_scorer(scorer, teacher, tokenizer
 
 
 # ---------------------------------------------------------------- policy reload
+def roll_out_while_publishing(store, versions: list, prompts, timeout: float):
+    """A following rollout worker on vLLM (one batch ahead, 4-row shards) in a thread, started on versions[0]: each
+    next version is published, as a trainer would (8 samples a step), once the worker wrote a shard of the one
+    before; then train/DONE. Returns the worker's result once it has stopped."""
+    cfg = RolloutConfig(
+        student=str(versions[0]),
+        prompts=str(prompts),
+        engine="vllm",
+        n=2,
+        batch_prompts=2,
+        flush_rows=4,
+        follow=True,
+        poll_seconds=0.05,
+        max_buffer_samples=4,
+        sampling=SamplingConfig(max_new_tokens=8),
+    )
+    stop = threading.Event()
+    worker = InThread(lambda: run_rollout(cfg, store, stop=stop))
+    try:
+        for version, path in enumerate(versions):
+            if version:
+                store.publish_policy(version, path)
+                store.write_progress(
+                    {"step": version, "policy_version": version, "consumed_samples": 8 * version, "expired_samples": 0}
+                )
+            worker.wait_until(
+                lambda: any(s.policy_version == version for s in store.list_rollout_shards()),
+                f"shard of version {version}",
+                timeout,
+            )
+        store.mark_done()
+        return worker.join(timeout)
+    finally:
+        stop.set()
+        worker.thread.join(timeout)  # stopped before the test shuts its engines down
+
+
+def assert_each_shard_sampled_by_its_version(store, versions: list) -> None:
+    """Every version sampled some shards, and each shard's behavior log-probs are those of its own version's weights
+    (a float32 HF forward), not the next version's."""
+    models = [load_causal_lm(v) for v in versions]
+    seen = set()
+    for info in store.list_rollout_shards():
+        table, meta = read_shard(store, info.path, kind=ROLLOUT)
+        assert (meta.engine, meta.model_dtype) == ("vllm", "float32")
+        seen.add(meta.policy_version)
+        for row in table.to_pylist():
+            prompt, response = row["prompt_ids"], row["response_ids"]
+            own = gathered(forward_logprobs(models[meta.policy_version], prompt, response), response)
+            np.testing.assert_allclose(row["behavior_logprobs"], own, rtol=0, atol=1e-3)
+            other = models[(meta.policy_version + 1) % len(models)]
+            assert not np.allclose(
+                row["behavior_logprobs"], gathered(forward_logprobs(other, prompt, response), response), atol=1e-2
+            )
+    assert seen == set(range(len(versions)))
+
+
 def test_rollout_worker_reloads_each_published_version_in_place(
     sampler, student, tiny_model_factory, tokenizer, local_store, tmp_path, monkeypatch
 ):
@@ -283,64 +331,11 @@ def test_rollout_worker_reloads_each_published_version_in_place(
         return sampler
 
     monkeypatch.setattr("opd_cache.rollout.worker.make_engine", shared_engine)
-    cfg = RolloutConfig(
-        student=str(student),
-        prompts=str(write_prompts(tmp_path / "p.jsonl", questions(40))),
-        engine="vllm",
-        n=2,
-        batch_prompts=2,
-        flush_rows=4,
-        follow=True,
-        poll_seconds=0.05,
-        max_buffer_samples=4,
-        sampling=SamplingConfig(max_new_tokens=8),
-    )
-    stop, result = threading.Event(), {}
-    worker = threading.Thread(target=lambda: result.update(r=run_rollout(cfg, local_store, stop=stop)), daemon=True)
-    worker.start()
-
-    def wait_for_shard_of(version):
-        deadline = time.monotonic() + 120
-        while not any(s.policy_version == version for s in local_store.list_rollout_shards()):
-            assert time.monotonic() < deadline and worker.is_alive(), f"no shard of version {version}"
-            time.sleep(0.05)
-
-    consumed = 0
-    try:
-        wait_for_shard_of(0)
-        for version in (1, 2):
-            local_store.publish_policy(version, versions[version])
-            consumed += 8
-            local_store.write_progress(
-                {"step": version, "policy_version": version, "consumed_samples": consumed, "expired_samples": 0}
-            )
-            wait_for_shard_of(version)
-        local_store.mark_done()
-        worker.join(timeout=120)
-    finally:
-        stop.set()
-    assert not worker.is_alive() and result["r"].policy_version == 2
+    prompts = write_prompts(tmp_path / "p.jsonl", questions(40))
+    result = roll_out_while_publishing(local_store, versions, prompts, timeout=120)
+    assert result.policy_version == 2
     assert sampler.reloads[reloads_before:] == ["in_place", "in_place"]
-
-    models = [load_causal_lm(v) for v in versions]
-    seen = set()
-    for info in local_store.list_rollout_shards():
-        table, meta = read_shard(local_store, info.path, kind=ROLLOUT)
-        assert (meta.engine, meta.model_dtype) == ("vllm", "float32")
-        seen.add(meta.policy_version)
-        for row in table.to_pylist():
-            own = gathered(
-                forward_logprobs(models[meta.policy_version], row["prompt_ids"], row["response_ids"]),
-                row["response_ids"],
-            )
-            np.testing.assert_allclose(row["behavior_logprobs"], own, rtol=0, atol=1e-3)
-            other = models[(meta.policy_version + 1) % 3]
-            assert not np.allclose(
-                row["behavior_logprobs"],
-                gathered(forward_logprobs(other, row["prompt_ids"], row["response_ids"]), row["response_ids"]),
-                atol=1e-2,
-            )
-    assert seen == {0, 1, 2}
+    assert_each_shard_sampled_by_its_version(local_store, versions)
 
 
 def test_reload_by_recreating_the_engine(sampler, tiny_model_factory, tokenizer, prompts):

@@ -103,39 +103,29 @@ def test_responses_from_vllm_converts_the_documented_structure():
     np.testing.assert_array_equal(without_topk[1].logprobs, b.logprobs)
 
 
-def test_responses_from_vllm_refuses_incomplete_outputs():
-    ok = CompletionOutput(
-        index=0,
-        text="",
-        token_ids=[3],
-        cumulative_logprob=None,
-        finish_reason="stop",
-        logprobs=[position(3, -0.4, 1, [])],
+SAMPLED_3 = [position(3, -0.4, 1, [])]  # one position: the sampled token 3 and its log-prob, no top-k
+
+
+def one_token(finish_reason: str = "stop", logprobs: list[dict[int, Logprob]] | None = SAMPLED_3) -> CompletionOutput:
+    """A completion of the one token 3 (by default: stopped, with its log-prob)."""
+    return CompletionOutput(
+        index=0, text="", token_ids=[3], cumulative_logprob=None, finish_reason=finish_reason, logprobs=logprobs
     )
-    with pytest.raises(ValueError, match="1 completions for prompt 0, expected n=2"):
-        responses_from_vllm([RequestOutput("0", None, [1], None, [ok])], n=2)
-    no_logprobs = CompletionOutput(
-        index=0, text="", token_ids=[3], cumulative_logprob=None, finish_reason="stop", logprobs=None
-    )
-    with pytest.raises(ValueError, match="prompt 0 sample 0: 1 tokens but log-probs for None positions"):
-        responses_from_vllm([RequestOutput("0", None, [1], None, [no_logprobs])], n=1)
-    wrong_token = CompletionOutput(
-        index=0, text="", token_ids=[3], cumulative_logprob=None, finish_reason="stop", logprobs=[{4: Logprob(-0.1, 1)}]
-    )
-    with pytest.raises(ValueError, match="no log-prob for the sampled token 3"):
-        responses_from_vllm([RequestOutput("0", None, [1], None, [wrong_token])], n=1)
-    aborted = CompletionOutput(
-        index=0,
-        text="",
-        token_ids=[3],
-        cumulative_logprob=None,
-        finish_reason="abort",
-        logprobs=[position(3, -0.4, 1, [])],
-    )
-    with pytest.raises(ValueError, match="finished with 'abort'"):
-        responses_from_vllm([RequestOutput("0", None, [1], None, [aborted])], n=1)
-    with pytest.raises(ValueError, match="returned 1 top log-probs, expected 2"):
-        responses_from_vllm([RequestOutput("0", None, [1], None, [ok])], n=1, student_topk=2)
+
+
+@pytest.mark.parametrize(
+    "completion, n, student_topk, message",
+    [
+        (one_token(), 2, 0, "1 completions for prompt 0, expected n=2"),
+        (one_token(logprobs=None), 1, 0, "prompt 0 sample 0: 1 tokens but log-probs for None positions"),
+        (one_token(logprobs=[{4: Logprob(-0.1, 1)}]), 1, 0, "no log-prob for the sampled token 3"),
+        (one_token(finish_reason="abort"), 1, 0, "finished with 'abort'"),
+        (one_token(), 1, 2, "returned 1 top log-probs, expected 2"),
+    ],
+)
+def test_responses_from_vllm_refuses_incomplete_outputs(completion, n, student_topk, message):
+    with pytest.raises(ValueError, match=message):
+        responses_from_vllm([RequestOutput("0", None, [1], None, [completion])], n=n, student_topk=student_topk)
 
 
 def test_sampling_params_kwargs_map_our_config():

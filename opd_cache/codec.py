@@ -334,6 +334,11 @@ def unpack_id_bitmap(bitmap: np.ndarray, k: int, where: str = "bitmap", out: np.
 # ---------------------------------------------------------------- tables
 IDS_PACKED, IDS_BITMAP = "teacher_topk_ids_packed", "teacher_topk_ids_bitmap"
 META_VOCAB = b"opd.vocab_size"  # field metadata of the bitmap column: V, so its width can be checked
+META_ORDER = b"opd.entry_order"  # field metadata of the codes: "id" or "rank", the order a part stores entries in
+
+
+def _zstd_size(rows: np.ndarray) -> int:
+    return pa.compress(np.ascontiguousarray(rows).reshape(-1), codec="zstd", asbytes=False).size
 
 
 def _ragged_binary(rows: np.ndarray, lengths: np.ndarray) -> pa.ListArray:
@@ -382,27 +387,36 @@ def _grid_levels(log_range: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def encode_annotation(table: pa.Table, vocab_size: int) -> tuple[pa.Table, dict[str, str]]:
     """A plain annotated table -> (its packed table, the codec's metadata entries).
 
-    The rows' entries are stored in ascending id order (the top-k ids as a set); the choice of id layout, range
-    column and token column is the part's own and shows in its schema (module docstring).
+    The choices of id layout, entry order and range column are the part's own and show in its schema (module
+    docstring).
     """
     bits = id_bits(vocab_size)
     lengths = list_lengths(table["teacher_token_logprob"])
     k = table.schema.field("teacher_topk_ids").type.value_type.list_size
     ids = flat_values(table["teacher_topk_ids"]).reshape(-1, k)
-    logprobs = flat_values(table["teacher_topk_logprobs"]).reshape(-1, k).astype(np.float32)
-    by_id = np.argsort(ids, axis=1, kind="stable")
-    ids = np.take_along_axis(ids, by_id, axis=1)
-    logprobs = np.take_along_axis(logprobs, by_id, axis=1)
-    codes, log_mass, log_range = quantize_logprobs(logprobs)
+    codes, log_mass, log_range = quantize_logprobs(flat_values(table["teacher_topk_logprobs"]).reshape(-1, k))
     level, on_grid = _grid_levels(log_range)
+    by_id = np.argsort(ids, axis=1, kind="stable")
+    sorted_ids = np.take_along_axis(ids, by_id, axis=1)
 
-    distinct = k < 2 or not (ids[:, 1:] == ids[:, :-1]).any()  # a bitmap holds a set; repeated ids need the list
+    distinct = k < 2 or not (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any()  # a bitmap holds a set, not repeats
     use_bitmap = distinct and bitmap_width(vocab_size) < packed_id_width(k, bits)
+    if use_bitmap:
+        order, id_rows, codes = "id", pack_id_bitmap(sorted_ids, vocab_size), np.take_along_axis(codes, by_id, axis=1)
+    else:
+        # Packed ids cost k * b bits in either order. In id order zstd finds more in the ids (a trained teacher's
+        # sets repeat), in rank order more in the codes (they rise along the row): keep whichever compresses less.
+        candidates = [
+            ("id", pack_ids(sorted_ids, bits), np.take_along_axis(codes, by_id, axis=1)),
+            ("rank", pack_ids(ids, bits), codes),
+        ]
+        order, id_rows, codes = min(candidates, key=lambda c: _zstd_size(c[1]) + _zstd_size(c[2]))
     range_levels = bool(on_grid.all())
     fields = packed_fields(k, bits, vocab_size=vocab_size if use_bitmap else 0, range_levels=range_levels)
+    fields[2] = fields[2].with_metadata({META_ORDER: order.encode()})
     columns = {
         "sample_id": table["sample_id"],
-        fields[1].name: _ragged_binary(pack_id_bitmap(ids, vocab_size) if use_bitmap else pack_ids(ids, bits), lengths),
+        fields[1].name: _ragged_binary(id_rows, lengths),
         "teacher_topk_lp_codes": _ragged_binary(codes, lengths),
         "teacher_topk_log_mass": ragged(log_mass, lengths, pa.float32()),
     }

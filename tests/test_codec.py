@@ -214,6 +214,23 @@ def test_repeated_ids_in_a_position_fall_back_from_the_bitmap_to_packed_ids():
     assert_decodes_within_bound(codec.decode_annotation(table, 32, 7), plain)
 
 
+def test_packed_ids_keep_the_entry_order_that_compresses_better():
+    rng = np.random.default_rng(8)
+    plain = plain_part(rng, k=32, rows=100, vocab=5000)  # random sets: sorting the ids gains zstd little
+    table, _ = codec.encode_annotation(plain, 5000)
+    assert table.schema.field("teacher_topk_lp_codes").metadata == {b"opd.entry_order": b"rank"}
+    assert_decodes_within_bound(codec.decode_annotation(table, 32, 13), plain)
+    plain = plain_part(rng, k=8, rows=40, vocab=5000)
+    ids = schema.flat_values(plain["teacher_topk_ids"])
+    same_set = np.argsort(rng.random(ids.shape), axis=1) + 4000  # one set everywhere, shuffled: sorted, it repeats
+    plain = plain.set_column(
+        1, "teacher_topk_ids", schema.ragged_fixed(same_set, schema.list_lengths(plain[3]), pa.int32())
+    )
+    table, _ = codec.encode_annotation(plain, 5000)
+    assert table.schema.field("teacher_topk_lp_codes").metadata == {b"opd.entry_order": b"id"}
+    assert_decodes_within_bound(codec.decode_annotation(table, 8, 13), plain)
+
+
 @pytest.mark.parametrize("k,name,width", [(4, "teacher_topk_ids_packed", 4), (32, "teacher_topk_ids_bitmap", 13)])
 def test_a_truncated_packed_column_is_refused_in_one_line(student_store, monkeypatch, k, name, width):
     _, table, meta = packed_part(student_store, np.random.default_rng(2), k=k)

@@ -2,12 +2,12 @@
 
 A plain part stores per response position k int32 ids and k float16/float32
 log-probs (389 bytes/token at k = 64 in float16), best first. A packed part
-(codec version 2) stores each position's k entries in ascending id order, so
-the ids form a set and their order costs nothing:
+(codec version 2) may store each position's k entries in ascending id order,
+so the ids form a set and their order costs nothing:
 
     teacher_topk_ids_bitmap   list<fixed_size_binary(ceil(V / 8))>     the set as V bits (bit id set), little-endian
-      or teacher_topk_ids_packed  list<fixed_size_binary(ceil(k * b / 8))>  the ascending ids at b = ceil(log2 V) bits
-    teacher_topk_lp_codes     list<fixed_size_binary(k)>                 one uint8 code per entry, in the ids' order
+      or teacher_topk_ids_packed  list<fixed_size_binary(ceil(k * b / 8))>  the ids at b = ceil(log2 V) bits (order below)
+    teacher_topk_lp_codes     list<fixed_size_binary(k)>                 one uint8 code per entry, aligned with the ids
     teacher_topk_log_mass     list<float32>                              log sum_j p_j over the k entries (exact)
     teacher_topk_range_level  list<uint8>                                the row's quantization range L, a grid level
       or teacher_topk_log_range   list<float32>                          L itself (a row spans more than 1e6 nats)
@@ -16,7 +16,10 @@ the ids form a set and their order costs nothing:
 Each part makes its own choices, and its schema records them: the bitmap when it
 is smaller (ceil(V/8) < ceil(k*b/8) bytes: V = 99, k = 64 takes 13 bytes instead
 of 56) and the ids are distinct, with V in the column's field metadata
-('opd.vocab_size') so its width is checked; packed ids otherwise. A reader
+('opd.vocab_size') so its width is checked; packed ids otherwise, in id or in
+rank order, whichever zstd compresses less (sorted ids repeat across a trained
+teacher's positions; codes rise along a rank-ordered row), recorded in the
+codes' field metadata ('opd.entry_order'). A reader
 restores rank order with one sort of (code << b | id) keys per position (codes
 rise as log-probs fall): every consumer sees entries best first, ties by
 ascending id. The sampled token's log-prob stays exact: the k1/k3 estimators and

@@ -11,9 +11,10 @@ which is the hard case for quantized log-probs.
 (a) Bytes per response token of one annotated part as stored (Arrow IPC
     stream, every column and the framing, as `write_shard` writes it), for
     float32 / float16 / packed x none / zstd. The demo vocabulary has 99 ids
-    (7-bit ids); the rows "packed@V" re-pack the same parts with random ids
-    drawn within V = 49152 (SmolLM2) and 151936 (Qwen) to show the id cost at
-    real vocabularies (random ids barely compress, so this is a worst case).
+    (7-bit ids, a 13-byte bitmap); the rows "packed@V" re-pack the same parts
+    with random ids drawn within V = 49152 (SmolLM2) and 151936 (Qwen) to show
+    the id cost at real vocabularies (random ids barely compress, so this is a
+    worst case). Then the packed part's bytes per column (zstd).
 
 (b) Loss error vs float32: |mean_t loss_packed - mean_t loss_f32| (the
     quantity the trainer's token-mean optimises) and the mean per-token
@@ -22,8 +23,10 @@ which is the hard case for quantized log-probs.
 
 (c) Throughput in tokens/s on the annotations tiled to --tokens positions:
     encode (plain table -> packed table) and decode (packed -> plain columns,
-    what `read_shard` adds), next to converting a float16 part to the float32
-    columns the trainer uses, measured in the same run. Best of --rounds.
+    what `read_shard` adds) of the demo teacher's parts as stored (V = 99) and
+    with 18-bit ids (the width of a real vocabulary), next to converting a
+    float16 part to the float32 columns the trainer uses, measured in the same
+    run. Best of --rounds wall-clock times (3x as many for decoding); the load average is recorded.
 
 Results: tables on stdout and benchmarks/results/bench_codec.json.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import platform
 import sys
 import time
@@ -96,12 +100,14 @@ def best_seconds(fn, rounds: int) -> float:
     return min(times)
 
 
-def loss_errors(student_logits, ids, ref_lp, got_lp) -> dict:
+def loss_errors(student_logits, ref_ids, ref_lp, got_ids, got_lp) -> dict:
+    """Per divergence, the loss from (got_ids, got_lp) vs from (ref_ids, ref_lp): each its own ids, since a packed
+    part's rows come back in rank order with ties by id, not necessarily in the reference's order."""
     out = {}
     for divergence in ("forward_kl", "reverse_kl", "jsd"):
         config = LossConfig(divergence=divergence, tail="bucket")
-        ref = token_losses(student_logits, ids, ref_lp, config).double()
-        got = token_losses(student_logits, ids, got_lp, config).double()
+        ref = token_losses(student_logits, ref_ids, ref_lp, config).double()
+        got = token_losses(student_logits, got_ids, got_lp, config).double()
         out[divergence] = {
             "mean_loss": ref.mean().item(),
             "mean_error": (got.mean() - ref.mean()).abs().item(),
@@ -115,7 +121,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=200_000, help="positions for the throughput rounds")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
@@ -130,7 +136,8 @@ def main() -> None:
     sample_ids = [f"s{i}" for i in range(len(lengths))]
     rng = np.random.default_rng(args.seed)
 
-    storage, errors, speed = [], {}, {}
+    storage, columns, errors, speed = [], {}, {}, {}
+    load_before = os.getloadavg()
     for k in K_VALUES:
         top = torch.topk(t_lp, k)
         ids, lp = top.indices.int().numpy(), top.values.numpy()
@@ -164,6 +171,9 @@ def main() -> None:
                 token_logprob=sampled_lp.numpy(),
                 logprob_dtype="float16",
             )
+        columns[k] = {
+            name: ipc_bytes(packed.select([name]), "zstd") / tokens for name in packed.schema.names
+        }  # each column alone, with its own (small) framing
         for name, table in tables.items():
             for compression in (None, "zstd"):
                 storage.append(
@@ -179,12 +189,17 @@ def main() -> None:
         ids_t = torch.from_numpy(ids)
         errors[k] = {
             "float16": loss_errors(
-                s_logits, ids_t, torch.from_numpy(lp), torch.from_numpy(lp.astype(np.float16).astype(np.float32))
+                s_logits,
+                ids_t,
+                torch.from_numpy(lp),
+                ids_t,
+                torch.from_numpy(lp.astype(np.float16).astype(np.float32)),
             ),
             "packed": loss_errors(
                 s_logits,
-                torch.from_numpy(flat_values(decoded["teacher_topk_ids"]).copy()),
+                ids_t,
                 torch.from_numpy(lp),
+                torch.from_numpy(flat_values(decoded["teacher_topk_ids"]).copy()),
                 torch.from_numpy(flat_values(decoded["teacher_topk_logprobs"]).copy()),
             ),
         }
@@ -201,14 +216,19 @@ def main() -> None:
         )
         big_f16 = big_plain.cast(plain["float16"].schema)
         big_packed, _ = codec.encode_annotation(big_plain, 151936)  # 18-bit ids: the width of a real vocabulary
+        demo_packed, _ = codec.encode_annotation(big_plain, vocab)  # the demo teacher's parts as stored
         n = int(big_lengths.sum())
         f16_to_f32 = best_seconds(lambda: flat_values(big_f16["teacher_topk_logprobs"]).astype(np.float32), args.rounds)
         enc = best_seconds(lambda: codec.encode_annotation(big_plain, 151936), args.rounds)
-        dec = best_seconds(lambda: codec.decode_annotation(big_packed, k, 18), args.rounds)
+        # decoding is short (~0.2 s a round): more rounds, so a best time is likelier to meet a quiet moment
+        dec = best_seconds(lambda: codec.decode_annotation(big_packed, k, 18), 3 * args.rounds)
+        dec_demo = best_seconds(lambda: codec.decode_annotation(demo_packed, k, codec.id_bits(vocab)), 3 * args.rounds)
         speed[k] = {
             "tokens": n,
+            "demo_id_layout": demo_packed.schema.names[1],
             "encode_tokens_per_s": n / enc,
             "decode_tokens_per_s": n / dec,
+            "decode_demo_tokens_per_s": n / dec_demo,
             "float16_to_float32_tokens_per_s": n / f16_to_f32,
         }
 
@@ -229,6 +249,10 @@ def main() -> None:
             for v, at in ((vocab, ""), (151936, "@V=151936"))
         )
     )
+    print("\npacked+zstd bytes per token by column (each column alone, V = 99)")
+    print(f"{'column':<26}" + "".join(f"{f'k={k}':>9}" for k in K_VALUES))
+    for name in dict.fromkeys(n for k in K_VALUES for n in columns[k]):
+        print(f"{name:<26}" + "".join(f"{columns[k].get(name, float('nan')):>9.2f}" for k in K_VALUES))
     print("\n(b) loss error vs float32 annotations (nats/token): |mean difference| / mean |per-token difference|")
     print(f"{'k':>3} {'format':<8}" + "".join(f"{d:>26}" for d in ("forward_kl", "reverse_kl", "jsd")))
     for k in K_VALUES:
@@ -248,14 +272,15 @@ def main() -> None:
         )
     )
 
-    print("\n(c) throughput, tokens/s (18-bit ids)")
-    print(f"{'k':>3}{'encode':>12}{'decode':>12}{'f16->f32':>12}{'decode/f16->f32':>17}")
+    load_after = os.getloadavg()
+    print(f"\n(c) throughput, tokens/s (load average {load_before[0]:.2f} before, {load_after[0]:.2f} after)")
+    print(f"{'k':>3}{'encode 18b':>12}{'decode 18b':>12}{'decode V=99':>13}{'f16->f32':>12}{'decode 18b/f16->f32':>21}")
     for k in K_VALUES:
         s = speed[k]
         print(
             f"{k:>3}{s['encode_tokens_per_s']:>12.3g}{s['decode_tokens_per_s']:>12.3g}"
-            f"{s['float16_to_float32_tokens_per_s']:>12.3g}"
-            f"{s['decode_tokens_per_s'] / s['float16_to_float32_tokens_per_s']:>17.3f}"
+            f"{s['decode_demo_tokens_per_s']:>13.3g}{s['float16_to_float32_tokens_per_s']:>12.3g}"
+            f"{s['decode_tokens_per_s'] / s['float16_to_float32_tokens_per_s']:>21.3f}"
         )
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -267,8 +292,11 @@ def main() -> None:
                 "vocab": vocab,
                 "median_top1_p": top1.median().item(),
                 "storage": storage,
+                "packed_zstd_bytes_per_column": {str(k): v for k, v in columns.items()},
                 "loss_errors": {str(k): v for k, v in errors.items()},
                 "throughput": {str(k): v for k, v in speed.items()},
+                "loadavg": {"before": load_before, "after": load_after},
+                "codec_version": codec.CODEC_VERSION,
                 "machine": {
                     "platform": platform.platform(),
                     "python": platform.python_version(),

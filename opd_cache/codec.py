@@ -1,13 +1,30 @@
-"""The `packed` codec of annotated parts: bit-packed top-k ids and 8-bit top-k log-probs.
+"""The `packed` codec of annotated parts: the top-k ids as a set, 8-bit top-k log-probs.
 
 A plain part stores per response position k int32 ids and k float16/float32
-log-probs (389 bytes/token at k = 64 in float16). A packed part stores instead
+log-probs (389 bytes/token at k = 64 in float16), best first. A packed part
+(codec version 2) may store each position's k entries in ascending id order,
+so the ids form a set and their order costs nothing:
 
-    teacher_topk_ids_packed   list<fixed_size_binary(ceil(k * b / 8))>   ids at b = ceil(log2 V) bits, little-endian
-    teacher_topk_lp_codes     list<fixed_size_binary(k)>                 one uint8 code per entry (below)
+    teacher_topk_ids_bitmap   list<fixed_size_binary(ceil(V / 8))>     the set as V bits (bit id set), little-endian
+      or teacher_topk_ids_packed  list<fixed_size_binary(ceil(k * b / 8))>  the ids at b = ceil(log2 V) bits (order below)
+    teacher_topk_lp_codes     list<fixed_size_binary(k)>                 one uint8 code per entry, aligned with the ids
     teacher_topk_log_mass     list<float32>                              log sum_j p_j over the k entries (exact)
-    teacher_topk_log_range    list<float32>                              the row's quantization range L
-    teacher_token_logprob     list<float32>                              unchanged
+    teacher_topk_range_level  list<uint8>                                the row's quantization range L, a grid level
+      or teacher_topk_log_range   list<float32>                          L itself (a row spans more than 1e6 nats)
+    teacher_token_logprob     list<float32>                              unchanged (exact)
+
+Each part makes its own choices, and its schema records them: the bitmap when it
+is smaller (ceil(V/8) < ceil(k*b/8) bytes: V = 99, k = 64 takes 13 bytes instead
+of 56) and the ids are distinct, with V in the column's field metadata
+('opd.vocab_size') so its width is checked; packed ids otherwise, in id or in
+rank order, whichever zstd compresses less (sorted ids repeat across a trained
+teacher's positions; codes rise along a rank-ordered row), recorded in the
+codes' field metadata ('opd.entry_order'). A reader
+restores rank order with one sort of (code << b | id) keys per position (codes
+rise as log-probs fall): every consumer sees entries best first, ties by
+ascending id. The sampled token's log-prob stays exact: the k1/k3 estimators and
+policy-gradient OPD read it, and decoding it from the row (an index instead of
+4 bytes) moved k3's mean loss by 1.4e-3 nats/token on tests/test_codec.py's demo sample.
 
 Log-probs are coded by their gap below the row's maximum, g_j = max - lp_j >= 0,
 on a log scale so that the entries that carry the mass (small gaps) get the
@@ -30,7 +47,9 @@ C = exp(delta(0)) * sum_i exp(-g_i + delta(g_i)) * delta(g_i). So every log-prob
 is within delta(g_j) + C. For a row spanning 30 nats, L <= log1p(7.5) + 0.049 and delta(g) <= 0.0043 (4 + g).
 
 The codec version and the id width live in the part's Arrow metadata; a reader
-refuses versions from the future and packed columns of the wrong width.
+refuses versions from the future and packed columns of the wrong width. Version 1
+parts (ids in rank order at b bits, float32 L) decode unchanged: their rows are
+already in rank order, which the sort keeps (ties by ascending id).
 """
 
 from __future__ import annotations
@@ -50,13 +69,21 @@ from opd_cache.columns import (
     ragged_fixed,
 )
 
-CODEC_VERSION = 1
+CODEC_VERSION = 2  # 1: ids in rank order at b bits, float32 L, exact token log-prob
 CODECS = ("none", "packed")
 META_CODEC = "opd.codec"
 META_CODEC_VERSION = "opd.codec_version"
 META_ID_BITS = "opd.codec_id_bits"
 
-PACKED_COLUMNS = ("teacher_topk_ids_packed", "teacher_topk_lp_codes", "teacher_topk_log_mass", "teacher_topk_log_range")
+# the per-token columns a packed part may hold (opd_cache/schema.py checks that their lengths agree)
+PACKED_COLUMNS = (
+    "teacher_topk_ids_packed",
+    "teacher_topk_ids_bitmap",
+    "teacher_topk_lp_codes",
+    "teacher_topk_log_mass",
+    "teacher_topk_log_range",
+    "teacher_topk_range_level",
+)
 _NEG_INF_CODE = 255
 _MAX_CODE = 254
 GAP_SCALE = 4.0  # c, in nats: steps are ~uniform for gaps << c and ~relative for gaps >> c
@@ -100,12 +127,15 @@ def pack_ids(ids: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(out[:width].T)
 
 
-def unpack_ids(packed: np.ndarray, k: int, bits: int) -> np.ndarray:
-    """Inverse of `pack_ids`: `[N, width]` uint8 -> `[N, k]` int32."""
+def unpack_ids(packed: np.ndarray, k: int, bits: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of `pack_ids`: `[N, width]` uint8 -> `[N, k]` int32 (or into `out`, of any integer type)."""
     n, width = packed.shape
+    out = np.empty((n, k), dtype=np.int32) if out is None else out
+    if (k * bits) % 8 == 0 and out.flags.c_contiguous:  # rows end on a byte boundary: one bit stream
+        _unpack_stream(packed, bits, out.reshape(-1))  # (a view: `out` is contiguous)
+        return out
     row = width + 8  # 8 spare bytes per row so every id's 8-byte window stays inside it
     mask = np.uint64((1 << bits) - 1)
-    out = np.empty((n, k), dtype=np.int32)
     padded = np.zeros((min(n, TABLE_CHUNK), row), dtype=np.uint8)
     # Ids i, i + 8, i + 16, ... start `bits` bytes apart at the same bit shift, so each of the 8 residues is one
     # strided (unaligned) uint64 view over a chunk's positions and their k / 8 ids; TABLE_CHUNK positions at a
@@ -120,6 +150,23 @@ def unpack_ids(packed: np.ndarray, k: int, bits: int) -> np.ndarray:
             )
             out[start : start + rows, i::8] = (window >> np.uint64(shift)) & mask
     return out
+
+
+def _unpack_stream(packed: np.ndarray, bits: int, out: np.ndarray) -> None:
+    """len(out) ids at `bits` bits each from one contiguous little-endian bit stream, into `out`.
+
+    Ids m, m + P, m + 2P, ... (P = 8 / gcd(bits, 8)) start bits * P / 8 bytes apart at the same bit shift: each of
+    the P residues is one strided uint64 view over the whole stream (count is a multiple of P here).
+    """
+    period = 8 // math.gcd(bits, 8)
+    stride = bits * period // 8
+    stream = np.zeros(packed.size + 8, dtype=np.uint8)  # 8 spare bytes: the last id's window stays inside
+    stream[: packed.size] = packed.reshape(-1)
+    mask = np.uint64((1 << bits) - 1)
+    for i in range(period):
+        offset, shift = divmod(i * bits, 8)
+        window = np.ndarray((len(out) // period,), dtype="<u8", buffer=stream, offset=offset, strides=(stride,))
+        np.bitwise_and(window >> np.uint64(shift), mask, out=out[i::period], casting="unsafe")
 
 
 # ---------------------------------------------------------------- log-probs
@@ -171,6 +218,8 @@ def _gap_tables() -> tuple[np.ndarray, np.ndarray]:
 
 
 _GAPS, _EXP_NEG_GAPS = _gap_tables()
+# both as one table of (gap, exp(-gap)) pairs, so the decoder gathers each entry's two values in one lookup
+_GAP_PAIRS = np.stack([_GAPS.ravel(), _EXP_NEG_GAPS.ravel()], axis=1).view(np.complex64).ravel()
 
 
 def dequantize_logprobs(codes: np.ndarray, log_mass: np.ndarray, log_range: np.ndarray) -> np.ndarray:
@@ -183,14 +232,11 @@ def dequantize_logprobs(codes: np.ndarray, log_mass: np.ndarray, log_range: np.n
     codes = np.asarray(codes)
     log_range = np.asarray(log_range, dtype=np.float32)
     log_mass = np.asarray(log_mass, dtype=np.float32)
-    level = np.rint(log_range / np.float32(RANGE_STEP))
-    on_grid = (np.abs(log_range - (level * RANGE_STEP).astype(np.float32)) <= 1e-6 * np.maximum(log_range, 1)) & (
-        level < RANGE_LEVELS
-    )
+    level, on_grid = _grid_levels(log_range)
     if on_grid.all():
-        return _dequantize_by_table(codes, log_mass, level.astype(np.int32))
+        return _dequantize_by_table(codes, log_mass, level)
     out = np.empty(codes.shape, dtype=np.float32)
-    out[on_grid] = _dequantize_by_table(codes[on_grid], log_mass[on_grid], level[on_grid].astype(np.int32))
+    out[on_grid] = _dequantize_by_table(codes[on_grid], log_mass[on_grid], level[on_grid])
     off = ~on_grid
     out[off] = _dequantize_exact(codes[off], log_mass[off], log_range[off])
     return out
@@ -209,20 +255,24 @@ def _shift_to_mass(at_max: np.ndarray, rest: np.ndarray, log_mass: np.ndarray) -
 
 
 def _dequantize_by_table(codes: np.ndarray, log_mass: np.ndarray, level: np.ndarray) -> np.ndarray:
-    gaps, exp_neg = _GAPS.ravel(), _EXP_NEG_GAPS.ravel()
-    level = level.astype(np.intp)  # take() converts any other index type to intp first: a copy per call
     out = np.empty(codes.shape, dtype=np.float32)
+    level_base = level.astype(np.uint16) << np.uint16(8)
     # TABLE_CHUNK positions at a time, so the [chunk, k] index and gathered values stay in cache
     for start in range(0, len(codes), TABLE_CHUNK):
         rows = slice(start, start + TABLE_CHUNK)
-        chunk_codes, chunk_out = codes[rows], out[rows]
-        index = (level[rows, None] << 8) | chunk_codes  # [chunk, k]: the row's level, the entry's code
-        at_max = (chunk_codes == 0).sum(axis=1, dtype=np.int32).astype(np.float32)
-        rest = exp_neg.take(index).sum(axis=1, dtype=np.float32)
-        gaps.take(index, out=chunk_out)
-        np.negative(chunk_out, out=chunk_out)
-        chunk_out += _shift_to_mass(at_max, rest, log_mass[rows])[:, None]
+        _table_chunk(codes[rows], log_mass[rows], level_base[rows], out[rows])
     return out
+
+
+def _table_chunk(codes: np.ndarray, log_mass: np.ndarray, level_base: np.ndarray, out: np.ndarray) -> None:
+    """Decode `[rows, k]` codes into `out` by one lookup per entry; level_base: each row's grid level << 8, uint16."""
+    # [rows, k] uint16 (level, code) indices: take() widens them to intp itself, faster than building intp here
+    index = level_base[:, None] | codes
+    pairs = _GAP_PAIRS.take(index)
+    at_max = (codes == 0).sum(axis=1, dtype=np.int32).astype(np.float32)
+    rest = pairs.imag.sum(axis=1, dtype=np.float32)
+    np.negative(pairs.real, out=out)
+    out += _shift_to_mass(at_max, rest, log_mass)[:, None]
 
 
 def _dequantize_exact(codes: np.ndarray, log_mass: np.ndarray, log_range: np.ndarray) -> np.ndarray:
@@ -251,7 +301,49 @@ def logprob_bound(logprobs: np.ndarray) -> np.ndarray:
     return np.where(finite, delta + shift[:, None], np.inf)
 
 
+# ---------------------------------------------------------------- id sets
+def bitmap_width(vocab_size: int) -> int:
+    return (int(vocab_size) + 7) // 8
+
+
+def pack_id_bitmap(ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """`[N, k]` distinct ids per row -> `[N, ceil(V/8)]` uint8, bit `id` of the row set (little-endian bit order)."""
+    n, k = ids.shape
+    row_bits = 8 * bitmap_width(vocab_size)
+    bits = np.zeros(n * row_bits, dtype=np.uint8)
+    bits[(np.arange(n, dtype=np.int64) * row_bits)[:, None] + ids] = 1
+    return np.packbits(bits.reshape(n, row_bits), axis=1, bitorder="little")
+
+
+def unpack_id_bitmap(bitmap: np.ndarray, k: int, where: str = "bitmap", out: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of `pack_id_bitmap`: `[N, width]` uint8, k bits set per row -> `[N, k]` int32 ascending (or `out`)."""
+    n, width = bitmap.shape
+    out = np.empty((n, k), dtype=np.int32) if out is None else out
+    for start in range(0, n, TABLE_CHUNK):
+        rows = min(TABLE_CHUNK, n - start)
+        bits = np.unpackbits(bitmap[start : start + rows], axis=1, bitorder="little")
+        set_bits = np.flatnonzero(bits.view(np.bool_))  # on bool, not uint8: several times faster
+        if len(set_bits) != rows * k:
+            raise CodecError(f"{where}: an id bitmap holds {len(set_bits)} ids in {rows} positions, expected {k} each")
+        # row-major order: each row's k set bits in turn, ascending; subtracting the row's first bit gives its ids
+        set_bits = set_bits.reshape(rows, k)
+        set_bits -= np.arange(0, rows * 8 * width, 8 * width)[:, None]
+        if rows and (set_bits[:, 0].min() < 0 or set_bits[:, -1].max() >= 8 * width):
+            raise CodecError(f"{where}: an id bitmap does not hold {k} ids in every position")
+        out[start : start + rows] = set_bits
+    return out
+
+
 # ---------------------------------------------------------------- tables
+IDS_PACKED, IDS_BITMAP = "teacher_topk_ids_packed", "teacher_topk_ids_bitmap"
+META_VOCAB = b"opd.vocab_size"  # field metadata of the bitmap column: V, so its width can be checked
+META_ORDER = b"opd.entry_order"  # field metadata of the codes: "id" or "rank", the order a part stores entries in
+
+
+def _zstd_size(rows: np.ndarray) -> int:
+    return pa.compress(np.ascontiguousarray(rows).reshape(-1), codec="zstd", asbytes=False).size
+
+
 def _ragged_binary(rows: np.ndarray, lengths: np.ndarray) -> pa.ListArray:
     """A `list<fixed_size_binary(width)>` column from `[total_tokens, width]` uint8 rows and per-row lengths."""
     rows = np.ascontiguousarray(rows, dtype=np.uint8)
@@ -260,42 +352,88 @@ def _ragged_binary(rows: np.ndarray, lengths: np.ndarray) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets_from_lengths(np.asarray(lengths))), inner)
 
 
-def packed_schema(top_k: int, bits: int, support_k: int = 0) -> pa.Schema:
+def packed_fields(top_k: int, bits: int, *, vocab_size: int = 0, range_levels: bool = True) -> list[pa.Field]:
+    """The columns of a packed part: ids as a bitmap (vocab_size > 0) or packed, row ranges as levels or float32."""
+    if vocab_size:
+        ids = pa.field(
+            IDS_BITMAP,
+            pa.list_(pa.binary(bitmap_width(vocab_size))),
+            nullable=False,
+            metadata={META_VOCAB: str(vocab_size).encode()},
+        )
+    else:
+        ids = pa.field(IDS_PACKED, pa.list_(pa.binary(packed_id_width(top_k, bits))), nullable=False)
     fields = [
         pa.field("sample_id", pa.string(), nullable=False),
-        pa.field("teacher_topk_ids_packed", pa.list_(pa.binary(packed_id_width(top_k, bits))), nullable=False),
+        ids,
         pa.field("teacher_topk_lp_codes", pa.list_(pa.binary(top_k)), nullable=False),
         pa.field("teacher_topk_log_mass", pa.list_(pa.float32()), nullable=False),
-        pa.field("teacher_topk_log_range", pa.list_(pa.float32()), nullable=False),
-        pa.field("teacher_token_logprob", pa.list_(pa.float32()), nullable=False),
     ]
-    if support_k:
-        fields.append(pa.field("teacher_support_logprobs", pa.list_(pa.list_(pa.float32(), support_k))))
-    return pa.schema(fields)
+    if range_levels:
+        fields.append(pa.field("teacher_topk_range_level", pa.list_(pa.uint8()), nullable=False))
+    else:
+        fields.append(pa.field("teacher_topk_log_range", pa.list_(pa.float32()), nullable=False))
+    fields.append(pa.field("teacher_token_logprob", pa.list_(pa.float32()), nullable=False))
+    return fields
+
+
+def _grid_levels(log_range: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(each row's grid level, whether its range lies on the grid) for stored float32 ranges L."""
+    log_range = np.asarray(log_range, dtype=np.float32)
+    level = np.rint(log_range / np.float32(RANGE_STEP))
+    on_grid = (np.abs(log_range - (level * RANGE_STEP).astype(np.float32)) <= 1e-6 * np.maximum(log_range, 1)) & (
+        level < RANGE_LEVELS
+    )
+    return level.astype(np.int32), on_grid
 
 
 def encode_annotation(table: pa.Table, vocab_size: int) -> tuple[pa.Table, dict[str, str]]:
-    """A plain annotated table -> (its packed table, the codec's metadata entries)."""
+    """A plain annotated table -> (its packed table, the codec's metadata entries).
+
+    The choices of id layout, entry order and range column are the part's own and show in its schema (module
+    docstring).
+    """
     bits = id_bits(vocab_size)
     lengths = list_lengths(table["teacher_token_logprob"])
-    ids = flat_values(table["teacher_topk_ids"])
     k = table.schema.field("teacher_topk_ids").type.value_type.list_size
+    ids = flat_values(table["teacher_topk_ids"]).reshape(-1, k)
     codes, log_mass, log_range = quantize_logprobs(flat_values(table["teacher_topk_logprobs"]).reshape(-1, k))
-    support_k = 0
-    if "teacher_support_logprobs" in table.schema.names:
-        support_k = table.schema.field("teacher_support_logprobs").type.value_type.list_size
+    level, on_grid = _grid_levels(log_range)
+    by_id = np.argsort(ids, axis=1, kind="stable")
+    sorted_ids = np.take_along_axis(ids, by_id, axis=1)
+
+    distinct = k < 2 or not (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any()  # a bitmap holds a set, not repeats
+    use_bitmap = distinct and bitmap_width(vocab_size) < packed_id_width(k, bits)
+    if use_bitmap:
+        order, id_rows, codes = "id", pack_id_bitmap(sorted_ids, vocab_size), np.take_along_axis(codes, by_id, axis=1)
+    else:
+        # Packed ids cost k * b bits in either order. In id order zstd finds more in the ids (a trained teacher's
+        # sets repeat), in rank order more in the codes (they rise along the row): keep whichever compresses less.
+        candidates = [
+            ("id", pack_ids(sorted_ids, bits), np.take_along_axis(codes, by_id, axis=1)),
+            ("rank", pack_ids(ids, bits), codes),
+        ]
+        order, id_rows, codes = min(candidates, key=lambda c: _zstd_size(c[1]) + _zstd_size(c[2]))
+    range_levels = bool(on_grid.all())
+    fields = packed_fields(k, bits, vocab_size=vocab_size if use_bitmap else 0, range_levels=range_levels)
+    fields[2] = fields[2].with_metadata({META_ORDER: order.encode()})
     columns = {
         "sample_id": table["sample_id"],
-        "teacher_topk_ids_packed": _ragged_binary(pack_ids(ids.reshape(-1, k), bits), lengths),
+        fields[1].name: _ragged_binary(id_rows, lengths),
         "teacher_topk_lp_codes": _ragged_binary(codes, lengths),
         "teacher_topk_log_mass": ragged(log_mass, lengths, pa.float32()),
-        "teacher_topk_log_range": ragged(log_range, lengths, pa.float32()),
-        "teacher_token_logprob": table["teacher_token_logprob"],
     }
-    if support_k:
+    if range_levels:
+        columns["teacher_topk_range_level"] = ragged(level.astype(np.uint8), lengths, pa.uint8())
+    else:
+        columns["teacher_topk_log_range"] = ragged(log_range, lengths, pa.float32())
+    # exact: the k1/k3 estimators and policy-gradient OPD read it (docs/benchmarks.md, Codec: why not an index)
+    columns["teacher_token_logprob"] = table["teacher_token_logprob"]
+    if "teacher_support_logprobs" in table.schema.names:
         columns["teacher_support_logprobs"] = table["teacher_support_logprobs"]
+        fields.append(table.schema.field("teacher_support_logprobs"))
     meta = {META_CODEC: "packed", META_CODEC_VERSION: str(CODEC_VERSION), META_ID_BITS: str(bits)}
-    return pa.table(columns, schema=packed_schema(k, bits, support_k)), meta
+    return pa.table(columns, schema=pa.schema(fields)), meta
 
 
 def codec_of(metadata: dict[str, str], where: str) -> tuple[str, int]:
@@ -319,10 +457,26 @@ def codec_of(metadata: dict[str, str], where: str) -> tuple[str, int]:
     return codec, bits
 
 
+def _layout_of(table: pa.Table, top_k: int, bits: int, where: str) -> list[pa.Field]:
+    """The packed fields this table's own choices (id layout, range and token columns) call for."""
+    names = table.schema.names
+    vocab_size = 0
+    if IDS_BITMAP in names:
+        vocab = (table.schema.field(IDS_BITMAP).metadata or {}).get(META_VOCAB)
+        if vocab is None or not vocab.isdigit() or not 1 <= int(vocab) <= 1 << bits:
+            raise CodecError(f"{where}: packed column {IDS_BITMAP!r} has no valid '{META_VOCAB.decode()}' metadata")
+        vocab_size = int(vocab)
+    return packed_fields(
+        top_k,
+        bits,
+        vocab_size=vocab_size,
+        range_levels="teacher_topk_log_range" not in names,
+    )
+
+
 def check_packed(table: pa.Table, top_k: int, bits: int, where: str) -> None:
     """Column types and widths of a packed part; a truncated column is refused with its expected width."""
-    expected = packed_schema(top_k, bits)
-    for field in expected:
+    for field in _layout_of(table, top_k, bits, where):
         if field.name not in table.schema.names:
             raise CodecError(f"{where}: packed part is missing column {field.name!r} ({field.type})")
         got = table.schema.field(field.name).type
@@ -345,15 +499,56 @@ def _binary_rows(column: pa.ChunkedArray, width: int) -> np.ndarray:
     return data[start : start + len(inner) * width].reshape(-1, width)
 
 
-def decode_annotation(table: pa.Table, top_k: int, bits: int) -> pa.Table:
-    """A packed part -> the plain columns (`teacher_topk_ids` int32, `teacher_topk_logprobs` float32, ...)."""
+def decode_annotation(table: pa.Table, top_k: int, bits: int, where: str = "packed part") -> pa.Table:
+    """A packed part -> the plain columns (`teacher_topk_ids` int32, `teacher_topk_logprobs` float32, ...).
+
+    Each row's entries come back in rank order, best first (ties by ascending id), as a plain part has them.
+    """
     lengths = list_lengths(table["teacher_token_logprob"])
-    ids = unpack_ids(_binary_rows(table["teacher_topk_ids_packed"], packed_id_width(top_k, bits)), top_k, bits)
-    logprobs = dequantize_logprobs(
-        _binary_rows(table["teacher_topk_lp_codes"], top_k),
-        flat_values(table["teacher_topk_log_mass"]),
-        flat_values(table["teacher_topk_log_range"]),
-    )
+    fields = {f.name: f for f in _layout_of(table, top_k, bits, where)}
+    codes = _binary_rows(table["teacher_topk_lp_codes"], top_k)
+    n = len(codes)
+    if IDS_BITMAP in fields:
+        width = fields[IDS_BITMAP].type.value_type.byte_width
+        id_rows = _binary_rows(table[IDS_BITMAP], width)
+        key_bits = max(1, (8 * width - 1).bit_length())
+
+        def unpack(rows, out):
+            unpack_id_bitmap(id_rows[rows], top_k, where, out=out)
+    else:
+        id_rows = _binary_rows(table[IDS_PACKED], packed_id_width(top_k, bits))
+        key_bits = bits
+
+        def unpack(rows, out):
+            unpack_ids(id_rows[rows], top_k, bits, out=out)
+
+    key_type = np.uint16 if key_bits <= 8 else np.uint32 if key_bits <= 24 else np.uint64
+    id_mask = key_type((1 << key_bits) - 1)
+    log_mass = flat_values(table["teacher_topk_log_mass"])
+    if "teacher_topk_range_level" in fields:
+        level_base = flat_values(table["teacher_topk_range_level"]).astype(np.uint16) << np.uint16(8)
+    else:
+        log_range = flat_values(table["teacher_topk_log_range"])
+    ids = np.empty((n, top_k), dtype=np.int32)
+    logprobs = np.empty((n, top_k), dtype=np.float32)
+    key_buffer = np.empty((min(n, TABLE_CHUNK), top_k), dtype=key_type)
+    # TABLE_CHUNK positions at a time, every step on arrays that stay in cache
+    for start in range(0, n, TABLE_CHUNK):
+        rows = slice(start, start + TABLE_CHUNK)
+        chunk_codes = codes[rows]
+        # Rank order: sort each position's (code, id) keys. Codes rise as log-probs fall, so the sorted keys hold
+        # the entries best first, ties by ascending id. (Version-1 parts, stored in rank order, stay as they are
+        # but for the order of ties.)
+        keys = key_buffer[: len(chunk_codes)]
+        unpack(rows, keys)
+        keys |= chunk_codes.astype(key_type) << key_type(key_bits)
+        keys.sort(axis=1)
+        ranked_codes = (keys >> key_type(key_bits)).astype(np.uint8)
+        np.bitwise_and(keys, id_mask, out=ids[rows], casting="unsafe")
+        if "teacher_topk_range_level" in fields:
+            _table_chunk(ranked_codes, log_mass[rows], level_base[rows], logprobs[rows])
+        else:
+            logprobs[rows] = dequantize_logprobs(ranked_codes, log_mass[rows], log_range[rows])
     columns = {
         "sample_id": table["sample_id"],
         "teacher_topk_ids": ragged_fixed(ids, lengths, pa.int32()),

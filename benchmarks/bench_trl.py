@@ -293,6 +293,7 @@ def main() -> None:
 
     ensure_demo_models(Console())
     out = args.out or Path(tempfile.mkdtemp(prefix="opd-bench-trl-"))
+    out.mkdir(parents=True, exist_ok=True)
     timeout = 120 + args.steps * 6.0  # a hung run fails the benchmark instead of blocking it
     torch.set_num_threads(1)
     cfg = demo_config(out / "opd", args.seed, [f"train.max_steps={args.steps}", "run.evaluate=false"])

@@ -4,8 +4,8 @@
     python benchmarks/bench_startup.py --before /tmp/old-tree   # and another checkout, alternating rounds
 
 `opd run` on the demo configuration (examples/arithmetic_cpu/config.yaml, 5
-steps, a fresh store, no evaluator), timed from the command's start to:
-run.json (rollout's imports and model load), the first rollout shard, the
+steps, a fresh store, no evaluator), timed from the command's start to: the
+first stage process started (the supervisor's own imports and set-up), run.json (rollout's imports and model load), the first rollout shard, the
 first annotated part and the first trainer step (the time in its metrics
 record). With `--before TREE` the same command runs from that checkout too
 (its own code on PYTHONPATH, the same config and models), the two sides
@@ -34,7 +34,7 @@ from common import ROOT, write_results
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_startup.json"
 DEMO = ROOT / "examples" / "arithmetic_cpu" / "config.yaml"
-FIRSTS = ("run_json", "rollout_shard", "annotated_part", "first_step")
+FIRSTS = ("stages_started", "run_json", "rollout_shard", "annotated_part", "first_step")
 
 
 def measure_startup(tree: Path, workdir: Path, steps: int = 5) -> dict:
@@ -45,6 +45,7 @@ def measure_startup(tree: Path, workdir: Path, steps: int = 5) -> dict:
     cmd += ["--logs", str(workdir / "logs"), "--set", f"train.max_steps={steps}", "--set", "run.evaluate=false"]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     probes = {
+        "stages_started": lambda: any((workdir / "logs").glob("*.log")),  # the supervisor opens a stage's log
         "run_json": lambda: (root / "run.json").exists(),
         "rollout_shard": lambda: any((root / "rollouts").glob("*/*.arrow")),
         "annotated_part": lambda: any((root / "annotated").glob("*/*/*.arrow")),
@@ -89,9 +90,9 @@ def main() -> None:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     table = {side: {k: statistics.median(run[k] for run in runs[side]) for k in (*FIRSTS, "wall")} for side in sides}
-    print(f"\n{'side':<7}" + "".join(f"{k:>16}" for k in (*FIRSTS, "wall")) + "   (seconds, median)")
+    print(f"\n{'side':<7}" + "".join(f"{k:>15}" for k in (*FIRSTS, "wall")) + "   (seconds, median)")
     for side, row in table.items():
-        print(f"{side:<7}" + "".join(f"{row[k]:>16.1f}" for k in (*FIRSTS, "wall")))
+        print(f"{side:<7}" + "".join(f"{row[k]:>15.1f}" for k in (*FIRSTS, "wall")))
     ratios = None
     if "before" in runs:
         ratios = [round(a["first_step"] / b["first_step"], 3) for a, b in zip(runs["after"], runs["before"])]

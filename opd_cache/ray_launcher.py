@@ -33,9 +33,9 @@ from pathlib import Path
 
 import opd_cache
 from opd_cache.config import Config, StageResources
+from opd_cache.demand import announce_demand
 from opd_cache.run import RunDisplay, StopSignals, stage_commands
 from opd_cache.store import Store, StoreError
-from opd_cache.train.checkpoint import announce_demand
 
 SCALE_FILE = "launch/scale.json"  # {"rollout": R, "annotate": A}: written by `opd scale`, read by the launcher
 MAX_SCALE_UP = 8  # a one-machine Ray started by the launcher has CPU tokens for this many extra workers per stage

@@ -36,10 +36,10 @@ from rich.live import Live
 from rich.table import Table
 
 from opd_cache.config import STAGES_WITH_STALENESS, Config
+from opd_cache.demand import announce_demand
 from opd_cache.metrics import read_metrics
 from opd_cache.progress import Every, duration
 from opd_cache.store import ShardTally, Store
-from opd_cache.train.checkpoint import announce_demand
 
 
 @dataclass

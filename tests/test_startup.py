@@ -8,6 +8,7 @@ either proceed (run.json and shards appear) or refuse a run.json that is not the
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
@@ -187,3 +188,23 @@ def test_trainer_waiting_on_an_empty_store_refuses_a_run_json_with_another_token
     with pytest.raises(ValueError, match=r"its tokenizer \(fingerprint \w+\) is not the run's \(0123456789abcdef"):
         training.join()
     assert store.read_progress() == {} and not store.is_done()  # nothing trained, nothing written
+
+
+# ---------------------------------------------------------------- the supervisor's own start
+def test_the_supervisor_reads_its_config_and_builds_the_stage_commands_without_importing_torch(tmp_path):
+    # `opd run` starts the stages only after its own imports: torch (seconds) stays in the stages
+    code = (
+        "import sys; from pathlib import Path\n"
+        "import opd_cache.cli, opd_cache.ray_launcher\n"
+        "from opd_cache.config import load_config\n"
+        "from opd_cache.demand import announce_demand\n"
+        "from opd_cache.run import stage_commands, write_resolved_config\n"
+        "from opd_cache.store import Store\n"
+        f"cfg = load_config({str(tiny_config(tmp_path))!r})\n"
+        f"path = write_resolved_config(cfg, Path({str(tmp_path / 'logs' / 'config.yaml')!r}))\n"
+        f"assert len(stage_commands(cfg, path, Path({str(tmp_path / 'logs')!r}))) == 4\n"
+        "announce_demand(Store(cfg.store.uri), cfg.train)\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from opd_cache.config import Config, TrainConfig
+from opd_cache.demand import samples_needed_total
 from opd_cache.losses import LOSSES, POLICY_GRADIENT, LossConfig
 from opd_cache.metrics import MetricsLog
 from opd_cache.retention import retention_pass
@@ -45,7 +46,6 @@ from opd_cache.train.checkpoint import (
     complete_states,
     drop_corrupt_state,
     load_state,
-    samples_needed_total,
     save_state,
     state_rel,
     write_consumed,

@@ -84,7 +84,7 @@ from opd_cache.config import Config
 from opd_cache.demo import demo_config, ensure_demo_models
 from opd_cache.metrics import read_metrics
 from opd_cache.report import summarize
-from opd_cache.run import sync_overrides, write_resolved_config
+from opd_cache.run import eval_command, sync_overrides, write_resolved_config
 from opd_cache.store import Store
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -221,19 +221,7 @@ def run_replay(out: Path, cfg: Config, *, timeout: float) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     env = child_env(cfg.run.threads_per_stage)
     train_argv = [*CLI, "train", "--config", str(config_path), "--no-follow"]
-    eval_argv = [
-        *CLI,
-        "eval",
-        "--model",
-        cfg.store.uri,
-        "--follow",
-        "--every",
-        str(cfg.run.eval_every),
-        "--config",
-        str(config_path),
-        "--teacher",
-        str(cfg.eval.teacher),
-    ]
+    eval_argv = eval_command(cfg, config_path, cfg.eval.teacher)  # as `opd run` starts its evaluator
     print(f"[replay] {' '.join(train_argv[2:])}  +  {' '.join(eval_argv[2:])}", flush=True)
     with Clock() as clock, open(logs / "train.log", "wb") as train_log, open(logs / "eval.log", "wb") as eval_log:
         trainer = subprocess.Popen(

@@ -19,10 +19,9 @@ rounds on fresh copies of the store, to cancel machine drift; reported: the
 median step times and the median over rounds of each variant / "never".
 Target: background / never <= 1.05.
 
-Start-up (issue #14, item 5): `opd run` on the demo configuration (5 steps,
-a fresh store, no evaluator), timed from the command's start to run.json
-(rollout's model loaded), the first rollout shard, the first annotated part
-and the first trainer step (its metrics record).
+Start-up (issue #14, item 5): one `opd run` on the demo configuration, timed
+by benchmarks/bench_startup.py's `measure_startup` (that script compares two
+checkouts, median of alternating rounds).
 
 Results: a table on stdout and benchmarks/results/bench_publish.json.
 """
@@ -45,6 +44,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench_startup import measure_startup
 
 from opd_cache.config import load_config
 from opd_cache.store import Store
@@ -110,37 +111,6 @@ def train_once(template: Path, workdir: Path, steps: int, variant: str, warmup: 
     return out
 
 
-def measure_startup(workdir: Path) -> dict:
-    """Seconds from `opd run` to each first: run.json, rollout shard, annotated part, trainer step."""
-    import subprocess
-
-    root = workdir / "startup-store"
-    cmd = [sys.executable, "-m", "opd_cache.cli", "run", "--config", str(DEMO), "--store", str(root), "--quiet"]
-    cmd += ["--logs", str(workdir / "startup-logs"), "--set", "train.max_steps=5", "--set", "run.evaluate=false"]
-    firsts: dict[str, float] = {}
-    tic = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    probes = {
-        "run_json": lambda: (root / "run.json").exists(),
-        "rollout_shard": lambda: any((root / "rollouts").glob("*/*.arrow")),
-        "annotated_part": lambda: any((root / "annotated").glob("*/*/*.arrow")),
-        "first_step": lambda: (
-            (root / "metrics" / "train-0.jsonl").exists()
-            and '"step"' in (root / "metrics" / "train-0.jsonl").read_text()
-        ),
-    }
-    while proc.poll() is None and len(firsts) < len(probes):
-        for name, probe in probes.items():
-            if name not in firsts and probe():
-                firsts[name] = round(time.time() - tic, 1)
-        time.sleep(0.05)
-    proc.wait(timeout=600)
-    if (root / "metrics" / "train-0.jsonl").exists():  # the record's own time: the flush may come later
-        first = json.loads((root / "metrics" / "train-0.jsonl").read_text().splitlines()[0])
-        firsts["first_step"] = round(first["time"] - tic, 1)
-    return firsts
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -158,7 +128,7 @@ def main() -> None:
             for v in variants if r % 2 == 0 else reversed(variants):
                 runs[v].append(train_once(template, workdir, steps, v, warmup))
                 print(f"round {r + 1}/{rounds} {v:<12} step {runs[v][-1]['step_s'] * 1000:.1f} ms", flush=True)
-        startup = None if args.no_startup else measure_startup(workdir)
+        startup = None if args.no_startup else measure_startup(ROOT, workdir / "startup")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     table = {}

@@ -214,6 +214,18 @@ def require_run(store: Store) -> RunManifest:
     return run
 
 
+def wait_for_run(store: Store, poll_seconds: float, say=None) -> RunManifest:
+    """run.json once the first rollout worker has created it; `say` (e.g. print) hears once that this waits.
+
+    `opd run` starts every stage at once: annotate and train load their models, then wait here."""
+    while (run := store.read_run()) is None:
+        if say is not None:
+            say(f"waiting for {store.path(RUN_JSON)} (the first rollout worker creates it)")
+            say = None
+        time.sleep(min(poll_seconds, 1.0))  # at most a second late: the first step waits on it
+    return run
+
+
 def ensure_run(store: Store, **fields: Any) -> RunManifest:
     """Create run.json on first touch, else check `fields` against it and fill the missing ones.
 

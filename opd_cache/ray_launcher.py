@@ -33,9 +33,9 @@ from pathlib import Path
 
 import opd_cache
 from opd_cache.config import Config, StageResources
-from opd_cache.run import RunDisplay, stage_commands
+from opd_cache.demand import announce_demand
+from opd_cache.run import RunDisplay, StopSignals, stage_commands
 from opd_cache.store import Store, StoreError
-from opd_cache.train.checkpoint import announce_demand
 
 SCALE_FILE = "launch/scale.json"  # {"rollout": R, "annotate": A}: written by `opd scale`, read by the launcher
 MAX_SCALE_UP = 8  # a one-machine Ray started by the launcher has CPU tokens for this many extra workers per stage
@@ -299,19 +299,13 @@ class RayLauncher:
             self.stage_for(s.name, s.argv, s.log_path) for s in stage_commands(cfg, self.config_path, self.logs)
         ]
         announce_demand(store, cfg.train)
-        stop_requested = False
-
-        def request_stop(signum, frame):
-            nonlocal stop_requested
-            stop_requested = True
-
-        previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        stop = StopSignals()
         failure = None
         display = RunDisplay(store, self.stages, cfg.train.max_steps, quiet=quiet)
         display.stages = self.stages
         try:
             with display:
-                while not stop_requested:
+                while not stop.requested:
                     now = time.monotonic()
                     if now >= self.next_scale_check:
                         self.next_scale_check = now + cfg.ray.scale_poll_seconds
@@ -332,7 +326,7 @@ class RayLauncher:
                     if failure or trainer.finished:
                         break
                     time.sleep(0.5)
-                deadline = time.monotonic() + (cfg.run.drain_seconds if not failure and not stop_requested else 10)
+                deadline = time.monotonic() + (cfg.run.drain_seconds if not failure and not stop.requested else 10)
                 while any(s.refs for s in self.stages) and time.monotonic() < deadline:
                     for stage in self.stages:
                         failure = failure or self.poll(stage, time.monotonic(), max_restarts=0)
@@ -342,12 +336,11 @@ class RayLauncher:
             for stage in self.stages:
                 self.stop(stage)
             self.ray.shutdown()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            stop.restore()
         if failure:
             print(f"opd run: {failure}", file=sys.stderr)
             return 1
-        return 130 if stop_requested else 0
+        return 130 if stop.requested else 0
 
 
 def supervise_ray(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False) -> int:

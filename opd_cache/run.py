@@ -5,6 +5,9 @@ opd_cache.cli <stage> --config <resolved config> …`), so what `opd run` does
 on one machine is exactly what separate machines do against a shared store.
 The supervisor:
 
+- starts every stage at once (the evaluator once run.json exists): annotate and
+  train load their models while rollout loads its own and creates run.json,
+  then wait for it and check it as when started by hand (`may_start`);
 - restarts a stage that exits with an error, with exponential back-off, up to
   `run.max_restarts` times (its work is resumable: see docs/reliability.md);
 - shows one live dashboard built from the store alone (shards, annotated parts,
@@ -33,10 +36,10 @@ from rich.live import Live
 from rich.table import Table
 
 from opd_cache.config import STAGES_WITH_STALENESS, Config
+from opd_cache.demand import announce_demand
 from opd_cache.metrics import read_metrics
 from opd_cache.progress import Every, duration
 from opd_cache.store import ShardTally, Store
-from opd_cache.train.checkpoint import announce_demand
 
 
 @dataclass
@@ -119,25 +122,25 @@ def stage_commands(cfg: Config, config_path: Path, logs: Path) -> list[StageProc
     stages.append(StageProcess("train", [*cli, "train", *common, "--follow"], logs / "train.log"))
     if cfg.run.evaluate and cfg.eval.prompts:
         teacher = cfg.eval.teacher or next(iter(teachers.values()))
-        stages.append(
-            StageProcess(
-                "eval",
-                [
-                    *cli,
-                    "eval",
-                    "--model",
-                    cfg.store.uri,
-                    "--follow",
-                    "--every",
-                    str(cfg.run.eval_every),
-                    *common,
-                    "--teacher",
-                    str(teacher),
-                ],
-                logs / "eval.log",
-            )
-        )
+        stages.append(StageProcess("eval", eval_command(cfg, config_path, teacher), logs / "eval.log"))
     return stages
+
+
+def eval_command(cfg: Config, config_path: Path, teacher: str | os.PathLike) -> list[str]:
+    """The evaluator of a run: every `run.eval_every`-th published version of the store, until train/DONE."""
+    return [
+        *[sys.executable, "-m", "opd_cache.cli", "eval", "--model", cfg.store.uri],
+        *["--follow", "--every", str(cfg.run.eval_every)],
+        *["--config", str(config_path), "--teacher", str(teacher)],
+    ]
+
+
+def may_start(stage: StageProcess, store: Store) -> bool:
+    """Every stage starts at once except the evaluator: rollout creates run.json, annotate and train do their
+    imports and load their models meanwhile and then wait for it themselves (the critical path to the first
+    step overlaps the three model loads). The evaluator opens the store's student from run.json, and it is
+    off that path: started early, it would only take a core from the stages the first step waits for."""
+    return stage.name != "eval" or store.has_run()
 
 
 def read_run_state(
@@ -209,7 +212,7 @@ def stage_state(stage: StageProcess) -> str:
     if stage.proc is not None and stage.proc.poll() is None:
         return "running" + (f" (restart {stage.restarts})" if stage.restarts else "")
     if not stage.exit_codes:
-        return "starting"  # not started yet: the stages after rollout wait for run.json
+        return "starting"  # not started yet: the evaluator waits for run.json (may_start)
     return "waiting to restart"
 
 
@@ -338,24 +341,16 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
     env.setdefault("OMP_NUM_THREADS", str(cfg.run.threads_per_stage))
     env.setdefault("COLUMNS", "200")  # a log file has no width: rich would wrap the stages' lines at 80 columns
     announce_demand(store, cfg.train)  # rollout paces on the trainer's demand before the trainer starts
-    # Rollout creates run.json (run id, tokenizer); the other stages validate against it, so they start
-    # once it exists. Until then only the rollout workers run.
     for stage in stages:
-        if stage.name.startswith("rollout") or store.has_run():
+        if may_start(stage, store):
             stage.start(env)
 
-    stop_requested = False
-
-    def request_stop(signum, frame):
-        nonlocal stop_requested
-        stop_requested = True
-
-    previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    stop = StopSignals()
     failure = None
     display = RunDisplay(store, stages, cfg.train.max_steps, quiet=quiet)
     try:
         with display:
-            while not stop_requested:
+            while not stop.requested:
                 now = time.monotonic()
                 failure = poll_stages(stages, now, cfg.run.max_restarts)  # the loop ends at the first
                 for stage in stages:
@@ -364,7 +359,7 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
                         and not stage.finished
                         and not stage.failed
                         and now >= stage.next_start
-                        and (stage.name.startswith("rollout") or store.has_run())
+                        and may_start(stage, store)
                     ):
                         stage.start(env)
                 display.update()
@@ -374,7 +369,7 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
                 time.sleep(0.5)
             # after the trainer: producers stop on DONE by themselves; the evaluator finishes the last version.
             # Nothing is restarted now, so a stage that exits with an error here has failed for good.
-            deadline = time.monotonic() + (cfg.run.drain_seconds if not failure and not stop_requested else 10)
+            deadline = time.monotonic() + (cfg.run.drain_seconds if not failure and not stop.requested else 10)
             while any(s.proc is not None for s in stages) and time.monotonic() < deadline:
                 failed_now = poll_stages(stages, time.monotonic(), max_restarts=0)  # always: it retires exited stages
                 failure = failure or failed_now
@@ -386,14 +381,29 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
         time.sleep(0.5)
         for stage in stages:
             stage.signal(signal.SIGKILL)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        stop.restore()
     if failure:
         print(f"opd run: {failure}", file=sys.stderr)
         return 1
-    if stop_requested:
+    if stop.requested:
         return 130
     return 0
+
+
+class StopSignals:
+    """SIGINT and SIGTERM ask the supervisor's loop to stop (it then stops every stage) instead of killing it
+    on the spot; `restore()` puts the previous handlers back. Both launchers use it (here and ray_launcher.py)."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = {sig: signal.signal(sig, self._request) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _request(self, signum, frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 class RunDisplay:

@@ -133,6 +133,9 @@ class Store(FileStore):
     def require_run(self) -> RunManifest:
         return manifest.require_run(self)
 
+    def wait_for_run(self, poll_seconds: float, say=None) -> RunManifest:
+        return manifest.wait_for_run(self, poll_seconds, say)
+
     def ensure_run(self, **fields: Any) -> RunManifest:
         return manifest.ensure_run(self, **fields)
 

@@ -10,7 +10,10 @@ the teacher's log-probs at those ids.
       -> read + validate (corrupt: quarantine) -> route rows -> score -> write atomically
 
 Properties the rest of the system relies on:
-- **Before any compute** the teacher's tokenizer is checked against the run's
+- **Before any shard is scored** (and before the teacher's weights load when
+  run.json is already there; `opd run` starts every stage at once, so there
+  the teacher loads while rollout creates run.json, then waits for it) the
+  teacher's tokenizer is checked against the run's
   (the student's), and the teacher records itself (model, top_k, routing) in
   `run/teachers/<name>.json` (a create-if-absent object, never run.json) so
   that a contradicting worker fails instead of writing incompatible parts.
@@ -115,12 +118,14 @@ def check_teacher_tokenizer(
 ) -> None:
     """Teacher and student must map every id to the same token; raise naming both models and the difference."""
     student = run.student or "student"
-    student_tok = _student_tokenizer(store, run)
+    expected = run.tokenizer_fingerprint
+    got = tokenizer_fingerprint(teacher_tok)
+    # the fingerprint hashes the vocabulary and the special tokens: when it matches, loading the student's
+    # tokenizer to compare them token by token would only repeat that work
+    student_tok = _student_tokenizer(store, run) if got != expected else None
     if student_tok is not None:
         # names the first differing token; also refuses tokenizer ids beyond the teacher's embedding
         check_compatible(student_tok, teacher_tok, embedding_size, student_name=student, teacher_name=teacher)
-    expected = run.tokenizer_fingerprint
-    got = tokenizer_fingerprint(teacher_tok)
     if expected and got != expected:
         raise ValueError(
             f"teacher {teacher} and student {student} tokenizers differ: the teacher's fingerprint is "
@@ -156,15 +161,51 @@ class Annotator:
         self.teacher = validate_name("teacher name", cfg.teacher_name)
         if not cfg.teacher:
             raise ValueError("--teacher: no teacher model given (a checkpoint folder or hub id)")
-        teacher_path = os.path.abspath(cfg.teacher) if os.path.isdir(cfg.teacher) else cfg.teacher
-        run = store.require_run()
+        self.teacher_path = os.path.abspath(cfg.teacher) if os.path.isdir(cfg.teacher) else cfg.teacher
+        self.console = console or Console(stderr=True)
+        # with --follow a store without run.json yet is waited for (`opd run` starts every stage at once)
+        run = store.read_run() if cfg.follow else store.require_run()
 
-        # 1. tokenizer compatibility and k, before any weights are loaded
+        # 1. tokenizer compatibility and k: checked against run.json before any weights are loaded, when it
+        #    exists; otherwise the teacher loads while rollout creates it, and nothing is scored before the check
         teacher_tok = load_tokenizer(cfg.teacher, trust_remote_code=cfg.trust_remote_code)
-        check_teacher_tokenizer(
-            store, run, teacher_tok, cfg.teacher, _embedding_size(cfg.teacher, cfg.trust_remote_code)
-        )
+        embedding_size = _embedding_size(cfg.teacher, cfg.trust_remote_code)
         self.vocab_size = len(teacher_tok)
+        record = self._agree_with_run(run, teacher_tok, embedding_size) if run is not None else None
+
+        # 2. the engine. vLLM's is sized by top_k, which an unflagged worker takes from the store: it waits first
+        if scorer is None and (record is not None or cfg.engine != "vllm" or "top_k" in cfg.model_fields_set):
+            scorer = make_scorer(cfg, record.top_k if record is not None else cfg.top_k, self.vocab_size)
+        if record is None:
+            run = store.wait_for_run(cfg.poll_seconds, say=lambda line: self.console.print(line, soft_wrap=True))
+            record = self._agree_with_run(run, teacher_tok, embedding_size)
+        self.scorer = scorer if scorer is not None else make_scorer(cfg, self.top_k, self.vocab_size)
+
+        # 3. record this teacher; a store changed meanwhile by a contradicting worker fails here
+        self.run_info = store.register_teacher(record)
+        self.max_staleness = cfg.max_staleness  # the configuration's one bound (opd_cache/staleness.py)
+        self.union_support = cfg.engine == "hf"  # vLLM cannot gather log-probs at arbitrary ids
+        self._warned_no_support = False
+        worker = cfg.worker_id or f"{self.teacher}-{cfg.worker_index}"
+        self.metrics = MetricsLog(store, "annotate", worker)
+        # one worker of n (static split) takes its shards unasked; otherwise every shard is claimed by a lease
+        self.leases = (
+            LeaseBook(store, self.teacher, worker, cfg.lease_seconds)
+            if cfg.num_workers == 1 and cfg.lease_seconds is not None
+            else None
+        )
+        self.show_progress = self.console.is_terminal if progress is None else progress
+        # not on a terminal (the log file of `opd run`): a plain line every ~10 s instead of the bar
+        self.plain_progress = Every() if progress is None and not self.console.is_terminal else None
+        self.stats = AnnotateStats()
+        self._watch = ShardWatch(store, parts=True)  # lists the versions still worth annotating, not the history
+        self.scored_rows: dict[str, int] = {}  # rollout rows of the shards with this teacher's part (any worker)
+        self._scored_since_poll: set[str] = set()  # parts this worker wrote that the last poll could not list
+
+    def _agree_with_run(self, run: RunManifest, teacher_tok, embedding_size: int | None) -> TeacherRecord:
+        """This teacher's record, checked against the run: its tokenizer, k and routing (sets top_k, routing)."""
+        cfg, store = self.cfg, self.store
+        check_teacher_tokenizer(store, run, teacher_tok, cfg.teacher, embedding_size)
         # flags/YAML win; otherwise an existing store keeps its top_k and routing
         given = cfg.model_fields_set
         self.top_k = cfg.top_k if "top_k" in given or run.top_k is None else run.top_k
@@ -176,12 +217,11 @@ class Annotator:
         routing = None
         if cfg.routing:
             routing = {"key": cfg.routing_key, "map": dict(cfg.routing), "default": cfg.default_teacher}
-
-        # 2. what this worker assumes must agree with the store: checked before the slow model load, but
-        #    recorded only after it, so a teacher that cannot be loaded leaves the store untouched
+        # what this worker assumes must agree with the store: checked before the slow model load where it can
+        # be, but recorded only after it, so a teacher that cannot be loaded leaves the store untouched
         record = TeacherRecord(
             name=self.teacher,
-            model=teacher_path,
+            model=self.teacher_path,
             top_k=self.top_k,
             routing=routing or run.routing,
             tokenizer_fingerprint=tokenizer_fingerprint(teacher_tok),
@@ -196,31 +236,7 @@ class Annotator:
                 f"(teachers: {sorted(set(self.routing['map'].values()))}, default "
                 f"{self.routing.get('default')!r})"
             )
-
-        # 3. the engine
-        self.scorer = scorer if scorer is not None else make_scorer(cfg, self.top_k, self.vocab_size)
-
-        # 4. record this teacher; a store changed meanwhile by a contradicting worker fails here
-        self.run_info = store.register_teacher(record)
-        self.max_staleness = cfg.max_staleness  # the configuration's one bound (opd_cache/staleness.py)
-        self.union_support = cfg.engine == "hf"  # vLLM cannot gather log-probs at arbitrary ids
-        self._warned_no_support = False
-        worker = cfg.worker_id or f"{self.teacher}-{cfg.worker_index}"
-        self.metrics = MetricsLog(store, "annotate", worker)
-        # one worker of n (static split) takes its shards unasked; otherwise every shard is claimed by a lease
-        self.leases = (
-            LeaseBook(store, self.teacher, worker, cfg.lease_seconds)
-            if cfg.num_workers == 1 and cfg.lease_seconds is not None
-            else None
-        )
-        self.console = console or Console(stderr=True)
-        self.show_progress = self.console.is_terminal if progress is None else progress
-        # not on a terminal (the log file of `opd run`): a plain line every ~10 s instead of the bar
-        self.plain_progress = Every() if progress is None and not self.console.is_terminal else None
-        self.stats = AnnotateStats()
-        self._watch = ShardWatch(store, parts=True)  # lists the versions still worth annotating, not the history
-        self.scored_rows: dict[str, int] = {}  # rollout rows of the shards with this teacher's part (any worker)
-        self._scored_since_poll: set[str] = set()  # parts this worker wrote that the last poll could not list
+        return record
 
     # ---------------------------------------------------------------- what to do
     def pending_shards(self) -> list[ShardInfo]:

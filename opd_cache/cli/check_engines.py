@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import torch
 import typer
 
 from opd_cache.cli.common import app, console, user_errors
@@ -51,6 +50,8 @@ def check_engines_command(
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
 ) -> None:
     """Sample and score the same prompts with HF and vLLM; print the largest log-prob difference."""
+    import torch  # here, not at the top: importing the CLI (e.g. the `opd run` supervisor) stays torch-free
+
     from opd_cache.annotate.hf_score import HFScorer
     from opd_cache.config import SamplingConfig
     from opd_cache.engine import torch_dtype

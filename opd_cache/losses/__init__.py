@@ -41,12 +41,27 @@ hand-written chain rule, so they agree to float rounding. The formulas and
 conventions are written out in docs/losses.md.
 """
 
-from opd_cache.losses.aggregation import aggregate, aggregation_weights
+import importlib
+
 from opd_cache.losses.config import AGGREGATIONS, LOSSES, POLICY_GRADIENT, TAILS, LossConfig, LossSpec
-from opd_cache.losses.divergences import P_TAIL_MIN
-from opd_cache.losses.estimators import pg_loss
-from opd_cache.losses.fused import fused_token_losses
-from opd_cache.losses.materialised import token_losses
+
+# The tensor functions import torch; they load on first use, so that reading a configuration (config.py takes
+# its loss defaults from LossConfig: every CLI command, the `opd run` supervisor) does not import torch.
+_LAZY = {
+    "aggregate": "aggregation",
+    "aggregation_weights": "aggregation",
+    "P_TAIL_MIN": "divergences",
+    "pg_loss": "estimators",
+    "fused_token_losses": "fused",
+    "token_losses": "materialised",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"opd_cache.losses.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'opd_cache.losses' has no attribute {name!r}")
+
 
 __all__ = [
     "AGGREGATIONS",

@@ -399,19 +399,6 @@ def verify_ledger(store: Store) -> dict:
 
 
 # ------------------------------------------------------------------ progress
-def samples_needed_total(cfg) -> int | None:
-    """The samples all `max_steps` steps of a TrainConfig train (rollout and annotate pace on it, issue #14).
-
-    Unknown (None) with a token budget per step: the stages then pace on `max_buffer_samples` alone."""
-    return cfg.max_steps * cfg.global_batch_samples if cfg.global_batch_samples else None
-
-
-def announce_demand(store: Store, cfg) -> None:
-    """`train/progress.json` gets the demand before any stage starts (`opd run`): the trainer itself starts
-    only once rollout created run.json, and rollout would sample `max_buffer_samples` ahead until then."""
-    store.write_progress({**store.read_progress(), "samples_needed_total": samples_needed_total(cfg)})
-
-
 def write_progress(store: Store, *, step: int, policy_version: int, cursor: dict, extra: dict | None = None) -> None:
     """`train/progress.json`, read by rollout for pacing (backlog = rows − consumed − expired)."""
     store.write_progress(

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from opd_cache.config import Config, TrainConfig
+from opd_cache.demand import samples_needed_total
 from opd_cache.losses import LOSSES, POLICY_GRADIENT, LossConfig
 from opd_cache.metrics import MetricsLog
 from opd_cache.retention import retention_pass
@@ -45,7 +46,6 @@ from opd_cache.train.checkpoint import (
     complete_states,
     drop_corrupt_state,
     load_state,
-    samples_needed_total,
     save_state,
     state_rel,
     write_consumed,
@@ -117,30 +117,27 @@ class Trainer:
         self._progress_counts = None  # (trained, unrouted, expired) of the last train/progress.json written
         cfg = self.cfg
         self.store = Store(config.store.uri, s3_endpoint=config.store.s3_endpoint)
-        run = self.store.require_run()
-        self.loss_config = check_inputs(cfg, run, env.world_size)
+        # with --follow a store without run.json yet is waited for (`opd run` starts every stage at once):
+        # the student loads meanwhile, and is checked against run.json before anything is trained
+        run = self.store.read_run() if cfg.follow else self.store.require_run()
+        if run is None and not cfg.student:
+            run = self.store.wait_for_run(cfg.poll_seconds, say=self._say)  # the student is named there
         check_trackers(cfg.report_to)  # a missing tracker package fails before the model loads
         student = cfg.student or run.student
         if not student:
             raise ValueError("no student model: pass --student PATH (run.json has no 'student' either)")
         self.tokenizer = load_tokenizer(student, trust_remote_code=cfg.trust_remote_code)
-        fingerprint = tokenizer_fingerprint(self.tokenizer)
-        if run.tokenizer_fingerprint and run.tokenizer_fingerprint != fingerprint:
-            raise ValueError(
-                f"--student {student}: its tokenizer (fingerprint {fingerprint}) is not the run's "
-                f"({run.tokenizer_fingerprint} in {self.store.path(RUN_JSON)}); "
-                f"train the student whose tokenizer sampled the rollouts"
-            )
-        if not required_teachers(run) and not cfg.follow:
-            raise ValueError(
-                f"{self.store.path(RUN_JSON)} names no teachers: run `opd annotate` on this store "
-                f"first, or pass --follow to wait for it"
-            )
-        self.run_manifest = run
+        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
+        if run is not None:
+            self._check_run(run, student)  # before the model loads
         torch.manual_seed(cfg.seed)
 
         # model, loss module, sharding, optimizer
         model = load_causal_lm(student, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+        if run is None:
+            run = self.store.wait_for_run(cfg.poll_seconds, say=self._say)
+            self._check_run(run, student)
+        self.run_manifest = run
         if cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.objective = DistillationObjective(model, self.loss_config)
@@ -193,6 +190,26 @@ class Trainer:
             rank=env.rank,
             distributed=env.distributed,
         )
+
+    def _check_run(self, run: RunManifest, student: str) -> None:
+        """The trainer's configuration and student against run.json; sets the loss configuration."""
+        cfg = self.cfg
+        self.loss_config = check_inputs(cfg, run, self.env.world_size)
+        if run.tokenizer_fingerprint and run.tokenizer_fingerprint != self.fingerprint:
+            raise ValueError(
+                f"--student {student}: its tokenizer (fingerprint {self.fingerprint}) is not the run's "
+                f"({run.tokenizer_fingerprint} in {self.store.path(RUN_JSON)}); "
+                f"train the student whose tokenizer sampled the rollouts"
+            )
+        if not required_teachers(run) and not cfg.follow:
+            raise ValueError(
+                f"{self.store.path(RUN_JSON)} names no teachers: run `opd annotate` on this store "
+                f"first, or pass --follow to wait for it"
+            )
+
+    def _say(self, message: str) -> None:
+        if self.console:
+            self.console.print(message, highlight=False, soft_wrap=True)
 
     def _load_newest_intact_state(self) -> dict | None:
         """trainer.json of the newest complete resume state whose files pass their checksums, loaded.

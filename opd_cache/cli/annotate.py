@@ -12,11 +12,9 @@ from opd_cache.cli.config_flags import ConfigArgs, config_flags
 def annotate_command(args: ConfigArgs) -> None:
     """Annotate rollout shards with a teacher's top-k log-probs (one part per shard and teacher)."""
     from opd_cache.annotate import annotate
-    from opd_cache.models import check_model_path
     from opd_cache.store import Store
 
     cfg = args.resolve()
-    check_model_path(cfg.annotate.teacher, "--teacher")  # before the hub client sees a missing folder
     stats = annotate(Store(cfg.store.uri, s3_endpoint=cfg.store.s3_endpoint), cfg.annotate)
     console.print(
         f"annotated {len(stats.annotated)} shards ({stats.rows} rows, {stats.tokens} tokens, "

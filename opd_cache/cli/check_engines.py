@@ -20,7 +20,6 @@ import numpy as np
 import typer
 
 from opd_cache.cli.common import app, console, user_errors
-from opd_cache.engine import SampleRequest
 
 DEFAULT_PROMPTS = [
     "What is 12 + 7? Answer with a number.",
@@ -115,6 +114,8 @@ def check_engines_command(
 
 def _compare(v_sampler, v_scorer, hf_sampler, hf_scorer, prompt_ids, sampling, top_k: int, seed: int):
     """[(label, largest |log-prob difference|, tokens)] of the three comparisons, and the top-k id agreement."""
+    from opd_cache.engine import SampleRequest  # imports torch: not at the top (the CLI's import stays torch-free)
+
     as_arrays = lambda seqs: [np.asarray(s, dtype=np.int64) for s in seqs]  # noqa: E731
     rows = []
 

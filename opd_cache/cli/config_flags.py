@@ -144,15 +144,26 @@ class ConfigArgs:
     flags: dict[str, Any]  # dotted key -> value, only the flags given (the config file's value stays otherwise)
     sets: list[str]
     print_only: bool
+    own_section: str
 
     def resolve(self, adjust: Callable[[Config], Config] | None = None) -> Config:
-        """defaults < --config < flags < --set; with --print-config, print it as YAML (a valid --config) and exit."""
+        """defaults < --config < flags < --set; with --print-config, print it as YAML (a valid --config) and exit.
+
+        Then the command's own model folders (its section's `student` / `teacher`) are checked, so a missing local
+        folder is one clear line before any tokenizer or model loads, in every command the same way.
+        """
         cfg = load_config(self.file, overrides=self.flags, sets=self.sets)
         if adjust is not None:
             cfg = adjust(cfg)
         if self.print_only:
             print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
             raise typer.Exit(0)
+        section = getattr(cfg, self.own_section)
+        for key in ("student", "teacher"):
+            if getattr(section, key, None) is not None:
+                from opd_cache.models import check_model_path  # torch: only for the commands that load a model
+
+                check_model_path(getattr(section, key), f"--{key}")
         return cfg
 
 
@@ -185,7 +196,8 @@ def config_flags(command: str, sections: tuple[str, ...], own_section: str, excl
                 given = kwargs.pop(flag.parameter.name)
                 if given is not None:
                     flags[flag.key] = flag.value(given)
-            return command_fn(**kwargs, args=ConfigArgs(config_file, flags, list(sets or []), print_only))
+            args = ConfigArgs(config_file, flags, list(sets or []), print_only, own_section)
+            return command_fn(**kwargs, args=args)
 
         parameters = own + CONFIG_OPTIONS + [flag.parameter for flag in generated]
         with_config_flags.__signature__ = signature.replace(parameters=parameters)

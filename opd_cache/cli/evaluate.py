@@ -53,7 +53,6 @@ def eval_command(
     # missing local inputs: one clear line before any tokenizer, prompt file or model loads
     if "://" not in model and not Path(model, RUN_JSON).exists():
         check_model_path(model, "--model")
-    check_model_path(cfg.teacher, "--teacher")
     check_prompts_path(cfg.prompts)
     path, version, store = resolve_model(model, s3_endpoint=full.store.s3_endpoint)
     if follow:

@@ -33,7 +33,6 @@ def replay_command(
     --max-steps (or train.max_steps in --config or --set) it trains as many steps as the epochs need.
     """
     from opd_cache.config import TrainConfig, load_config
-    from opd_cache.models import check_model_path
     from opd_cache.train.replay import ReplaySpec, replay
 
     if "store.uri" not in args.flags:
@@ -45,7 +44,6 @@ def replay_command(
         and load_config(args.file).train.max_steps == TrainConfig().max_steps
         and not any(s.startswith("train.max_steps=") for s in args.sets)
     )
-    check_model_path(cfg.train.student, "--student")
     spec = ReplaySpec(
         sources=list(sources),
         epochs=epochs,

@@ -14,7 +14,6 @@ from opd_cache.cli.config_flags import ConfigArgs, config_flags
 @config_flags("rollout", sections=("store", "rollout"), own_section="rollout")
 def rollout_command(args: ConfigArgs) -> None:
     """Sample student responses to prompts and publish them as rollout shards."""
-    from opd_cache.models import check_model_path
     from opd_cache.rollout import run_rollout
     from opd_cache.store import Store
     from opd_cache.tasks.prompts import check_prompts_path
@@ -23,7 +22,6 @@ def rollout_command(args: ConfigArgs) -> None:
     if "store.uri" not in args.flags and cfg.store.uri == "store" and args.file is None:
         raise ValueError("--store is required (a directory or URI for the run's shared storage)")
     # missing local inputs: one clear line before the tokenizer, the prompts or the model load
-    check_model_path(cfg.rollout.student, "--student")
     if cfg.rollout.prompts is not None:
         check_prompts_path(cfg.rollout.prompts)
 

@@ -16,8 +16,6 @@ from opd_cache.cli.config_flags import ConfigArgs, config_flags
 def train_command(args: ConfigArgs) -> None:
     """Train the student on annotated shards; publish policy versions; resume from the last state."""
     cfg = args.resolve()
-    from opd_cache.models import check_model_path
     from opd_cache.train import train
 
-    check_model_path(cfg.train.student, "--student")  # before the hub client sees a missing folder
     train(cfg, console=console)

@@ -32,7 +32,8 @@ STEPS = 40  # long enough (after the slow start of the actors on a loaded machin
 def pids(logs: Path, stage: str) -> list[tuple[int, int]]:
     """(actor pid, stage process pid) of each start of a stage's actor, from its `.pids` file."""
     path = logs / f"{stage}.pids"
-    return [tuple(map(int, line.split())) for line in path.read_text().splitlines()] if path.exists() else []
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(int(line.split()[0]), int(line.split()[1])) for line in lines]  # the third field: the node id
 
 
 def wait_for(condition, timeout: float, what: str, proc) -> None:

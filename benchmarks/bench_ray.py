@@ -3,6 +3,7 @@
     python benchmarks/bench_ray.py --shards 96                # docs/benchmarks.md: (a), (b), and (c) at 4 steps
     python benchmarks/bench_ray.py --only-launchers --steps 40  # docs/benchmarks.md: (c) on a longer run
     python benchmarks/bench_ray.py --only-launchers --demo --steps 200  # (c) on the demo's config
+    python benchmarks/bench_ray.py --only-launchers --rounds 3  # (c) alternating local / ray / local / ray …
     python benchmarks/bench_ray.py --quick                    # a smoke run
 
 (a) Annotate throughput under Ray: N annotate actors (`opd annotate --follow`, leases) on one store of rollout
@@ -12,7 +13,10 @@
 (b) Lease requests per shard: one `Annotator` on an S3 store (a moto server on 127.0.0.1), the lease requests
     it made (LIST per poll, create, read-back, renew, check, delete) divided by the shards it annotated.
 (c) `opd run` wall time on the tiny config (4 steps), local launcher vs `--launcher ray` (its own one-machine
-    Ray, started and stopped inside the run): ratio ray / local, target <= 1.1.
+    Ray, started and stopped inside the run): ratio ray / local, target <= 1.1. With --rounds R the launchers
+    alternate (the first of each round alternates too) and the ratio is the median round's; with it come the
+    fixed costs of Ray as the launcher pays them: `ray.init` as the launcher calls it, an actor's first command
+    (create the actor, start its worker process, run `python -c pass`), and `ray.shutdown`.
 
 Results: tables on stdout and benchmarks/results/bench_ray.json (bench_ray_launchers_<steps>.json for
 --only-launchers).
@@ -73,7 +77,7 @@ def make_store(uri: str, shards: int, rows: int, s3_endpoint: str | None = None)
 def annotate_under_ray(root: Path, workers: int, shards: int, rows: int) -> dict:
     import ray
 
-    from opd_cache.ray_launcher import StageWorker
+    from opd_cache.ray_actor import StageWorker
 
     store = make_store(str(root / f"store-{workers}"), 0, rows)  # run.json only: the shards come once all are up
     config = root / f"config-{workers}.yaml"
@@ -209,6 +213,45 @@ def launcher_wall_time(root: Path, launcher: str, steps: int, demo: bool = False
     return seconds
 
 
+def ray_fixed_costs(root: Path) -> dict:
+    """The seconds of Ray's own start-up and shutdown in a run: ray.init, one actor to its command, shutdown."""
+    import ray
+
+    from opd_cache.ray_actor import StageWorker
+    from opd_cache.ray_launcher import bind_ray_to_loopback
+
+    started = time.perf_counter()
+    bind_ray_to_loopback()
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    init = time.perf_counter() - started
+    actor = ray.remote(StageWorker).options(num_cpus=1, max_concurrency=2)
+    command = [sys.executable, "-c", "pass"]
+    worker = actor.remote("w", command, str(root / "fixed.log"), str(root / "fixed.yaml"), "", {})
+    ray.get(worker.run.remote())
+    first_actor = time.perf_counter() - started - init
+    ray.kill(worker)
+    stop = time.perf_counter()
+    ray.shutdown()
+    return {"ray_init_s": init, "first_actor_s": first_actor, "shutdown_s": time.perf_counter() - stop}
+
+
+def launcher_rounds(root: Path, rounds: int, steps: int, demo: bool) -> dict:
+    """Alternating rounds of the two launchers; the ratio is the median of the rounds' ratios."""
+    runs = []
+    for r in range(rounds):
+        order = ("local", "ray") if r % 2 == 0 else ("ray", "local")
+        times = {}
+        for launcher in order:
+            load = os.getloadavg()[0]
+            times[launcher] = launcher_wall_time(root / f"{launcher}-{r}", launcher, steps, demo)
+            times[f"{launcher}_load1"] = load
+        times["ratio"] = times["ray"] / times["local"]
+        runs.append(times)
+        print(f"round {r}: local {times['local']:.1f} s, ray {times['ray']:.1f} s, ratio {times['ratio']:.2f}x")
+    ratios = sorted(t["ratio"] for t in runs)
+    return {"steps": steps, "rounds": runs, "median_ratio": ratios[len(ratios) // 2]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -217,6 +260,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="Trainer steps of (c) (default 4).")
     parser.add_argument("--only-launchers", action="store_true", help="Only (c).")
     parser.add_argument("--demo", action="store_true", help="(c) on the demo's config (--steps of its 800).")
+    parser.add_argument("--rounds", type=int, default=1, help="(c): alternating rounds of the two launchers.")
     args = parser.parse_args()
     shards, rows, steps = (6, 8, 2) if args.quick else (24, 16, 4)
     shards = args.shards or shards
@@ -226,6 +270,18 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-ray-") as tmp:
         root = Path(tmp)
+        if args.only_launchers and args.rounds > 1:
+            results["fixed_costs"] = ray_fixed_costs(root)
+            print("Ray's fixed costs: " + ", ".join(f"{k} {v:.2f}" for k, v in results["fixed_costs"].items()))
+            results["launchers"] = launcher_rounds(root, args.rounds, steps, args.demo)
+            results["launchers"]["config"] = "demo" if args.demo else "tiny"
+            results["load_after"] = open("/proc/loadavg").read().strip()
+            print(f"(c) median ratio over {args.rounds} rounds: {results['launchers']['median_ratio']:.2f}x")
+            name = f"bench_ray_launchers_{'demo_' if args.demo else ''}{steps}_rounds.json"
+            out = REPO / "benchmarks/results" / name
+            out.write_text(json.dumps(results, indent=2) + "\n")
+            print(f"wrote {out}")
+            return
         if args.only_launchers:
             local = launcher_wall_time(root / "local", "local", steps, args.demo)
             on_ray = launcher_wall_time(root / "ray", "ray", steps, args.demo)

@@ -2,10 +2,10 @@
 
 Every stage worker is an actor (ray_actor.py) that runs the stage's usual command (`python -m opd_cache.cli
 <stage> …`, the argv of `opd_cache.run.stage_commands`) as its child process, so a stage behaves exactly as
-under the local launcher or on a hand-started machine. Why a child and not the stage in the actor's own process: the stages
-own their process (signal handlers, torch threads, `torch.distributed` state, CUDA context), and a restart
-must start from a clean one. The child dies with its actor (PR_SET_PDEATHSIG), and the actor dies with its
-child (a non-zero exit ends the actor), so for Ray "the worker died" is one event:
+under the local launcher or on a hand-started machine. Why a child and not the stage in the actor's own
+process: the stages own their process (signal handlers, torch threads, `torch.distributed` state, CUDA
+context), and a restart must start from a clean one. The child dies with its actor (PR_SET_PDEATHSIG), and
+the actor dies with its child (a non-zero exit ends the actor), so for Ray "the worker died" is one event:
 
 - rollout, annotate and the evaluator are actors with the resources of their `ray.<stage>` section and
   `max_restarts = run.max_restarts`: Ray restarts a dead one (killed, OOM, its node lost) and re-runs it;

@@ -37,7 +37,7 @@ def listening_sockets() -> list[tuple[str, str, int]]:
 
 def is_loopback(address: str) -> bool:
     ip = ipaddress.ip_address(address)
-    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback  # gRPC's dual-stack sockets show 127.0.0.1 as ::ffff:127.0.0.1
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback  # dual-stack gRPC sockets: ::ffff:127.0.0.1
 
 
 def test_the_launchers_ray_listens_on_loopback_only(tmp_path):

@@ -4,6 +4,7 @@
     python benchmarks/bench_ray.py --only-launchers --steps 40  # docs/benchmarks.md: (c) on a longer run
     python benchmarks/bench_ray.py --only-launchers --demo --steps 200  # (c) on the demo's config
     python benchmarks/bench_ray.py --only-launchers --rounds 3  # (c) alternating local / ray / local / ray …
+    python benchmarks/bench_ray.py --only-launchers --rounds 2 --attached  # and ray joining a running Ray
     python benchmarks/bench_ray.py --quick                    # a smoke run
 
 (a) Annotate throughput under Ray: N annotate actors (`opd annotate --follow`, leases) on one store of rollout
@@ -29,6 +30,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -164,7 +166,7 @@ def lease_requests_on_s3(shards: int, rows: int) -> dict:
 
 
 # ---------------------------------------------------------------- (c) launchers
-def tiny_run_config(root: Path, steps: int) -> Path:
+def tiny_run_config(root: Path, steps: int, ray_address: str | None = None) -> Path:
     config = {
         "store": {"uri": str(root / "store")},
         "rollout": {
@@ -180,6 +182,8 @@ def tiny_run_config(root: Path, steps: int) -> Path:
         "train": {"max_steps": steps, "global_batch_samples": 16, "lr": 1e-3, "publish_every": 2, "save_every": 2},
         "run": {"evaluate": False},
     }
+    if ray_address:
+        config["ray"] = {"address": ray_address}
     Config.model_validate(config)
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -200,9 +204,11 @@ def demo_run_config(root: Path, steps: int) -> Path:
     return path
 
 
-def launcher_wall_time(root: Path, launcher: str, steps: int, demo: bool = False) -> float:
+def launcher_wall_time(
+    root: Path, launcher: str, steps: int, demo: bool = False, ray_address: str | None = None
+) -> float:
     root.mkdir(parents=True)
-    config = demo_run_config(root, steps) if demo else tiny_run_config(root, steps)
+    config = demo_run_config(root, steps) if demo else tiny_run_config(root, steps, ray_address)
     cmd = [sys.executable, "-m", "opd_cache.cli", "run", "--config", str(config), "--quiet"]
     cmd += ["--launcher", launcher, "--logs", str(root / "logs")]
     start = time.perf_counter()
@@ -235,21 +241,47 @@ def ray_fixed_costs(root: Path) -> dict:
     return {"ray_init_s": init, "first_actor_s": first_actor, "shutdown_s": time.perf_counter() - stop}
 
 
-def launcher_rounds(root: Path, rounds: int, steps: int, demo: bool) -> dict:
-    """Alternating rounds of the two launchers; the ratio is the median of the rounds' ratios."""
+def launcher_rounds(root: Path, rounds: int, steps: int, demo: bool, attached: bool = False) -> dict:
+    """Alternating rounds of the launchers; the ratio is the median of the rounds' ratios.
+
+    attached: a third variant, `--launcher ray` joining a Ray that this script keeps running (as with
+    `ray start --head` once and `--address` for every run), so the run pays no `ray.init` nor shutdown."""
+    address = None
+    variants = ["local", "ray"]
+    if attached:
+        import ray
+
+        from opd_cache.ray_launcher import bind_ray_to_loopback
+
+        bind_ray_to_loopback()
+        ray.init(num_cpus=24, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+        address = ray.get_runtime_context().gcs_address
+        variants.append("ray-attached")
     runs = []
-    for r in range(rounds):
-        order = ("local", "ray") if r % 2 == 0 else ("ray", "local")
-        times = {}
-        for launcher in order:
-            load = os.getloadavg()[0]
-            times[launcher] = launcher_wall_time(root / f"{launcher}-{r}", launcher, steps, demo)
-            times[f"{launcher}_load1"] = load
-        times["ratio"] = times["ray"] / times["local"]
-        runs.append(times)
-        print(f"round {r}: local {times['local']:.1f} s, ray {times['ray']:.1f} s, ratio {times['ratio']:.2f}x")
-    ratios = sorted(t["ratio"] for t in runs)
-    return {"steps": steps, "rounds": runs, "median_ratio": ratios[len(ratios) // 2]}
+    try:
+        for r in range(rounds):
+            order = variants if r % 2 == 0 else variants[::-1]
+            times = {}
+            for variant in order:
+                load = os.getloadavg()[0]
+                launcher = "local" if variant == "local" else "ray"
+                joined = address if variant == "ray-attached" else None
+                times[variant] = launcher_wall_time(root / f"{variant}-{r}", launcher, steps, demo, joined)
+                times[f"{variant}_load1"] = load
+            times["ratio"] = times["ray"] / times["local"]
+            if attached:
+                times["attached_ratio"] = times["ray-attached"] / times["local"]
+            runs.append(times)
+            print(
+                f"round {r}: " + ", ".join(f"{v} {times[v]:.1f} s" for v in variants) + f", ratio {times['ratio']:.2f}x"
+            )
+    finally:
+        if attached:
+            ray.shutdown()
+    result = {"steps": steps, "rounds": runs, "median_ratio": statistics.median(t["ratio"] for t in runs)}
+    if attached:
+        result["median_attached_ratio"] = statistics.median(t["attached_ratio"] for t in runs)
+    return result
 
 
 def main() -> None:
@@ -261,6 +293,7 @@ def main() -> None:
     parser.add_argument("--only-launchers", action="store_true", help="Only (c).")
     parser.add_argument("--demo", action="store_true", help="(c) on the demo's config (--steps of its 800).")
     parser.add_argument("--rounds", type=int, default=1, help="(c): alternating rounds of the two launchers.")
+    parser.add_argument("--attached", action="store_true", help="(c) --rounds: also ray joining a running Ray.")
     args = parser.parse_args()
     shards, rows, steps = (6, 8, 2) if args.quick else (24, 16, 4)
     shards = args.shards or shards
@@ -273,11 +306,14 @@ def main() -> None:
         if args.only_launchers and args.rounds > 1:
             results["fixed_costs"] = ray_fixed_costs(root)
             print("Ray's fixed costs: " + ", ".join(f"{k} {v:.2f}" for k, v in results["fixed_costs"].items()))
-            results["launchers"] = launcher_rounds(root, args.rounds, steps, args.demo)
+            results["launchers"] = launcher_rounds(root, args.rounds, steps, args.demo, args.attached)
             results["launchers"]["config"] = "demo" if args.demo else "tiny"
             results["load_after"] = open("/proc/loadavg").read().strip()
             print(f"(c) median ratio over {args.rounds} rounds: {results['launchers']['median_ratio']:.2f}x")
-            name = f"bench_ray_launchers_{'demo_' if args.demo else ''}{steps}_rounds.json"
+            if args.attached:
+                print(f"    joining a running Ray: {results['launchers']['median_attached_ratio']:.2f}x")
+            tags = ("demo_" if args.demo else "", str(steps), "_rounds", "_attached" if args.attached else "")
+            name = f"bench_ray_launchers_{''.join(tags)}.json"
             out = REPO / "benchmarks/results" / name
             out.write_text(json.dumps(results, indent=2) + "\n")
             print(f"wrote {out}")

@@ -16,10 +16,13 @@ import sys
 from pathlib import Path
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL it when the actor's process dies (no orphaned stage processes)."""
+def _prepare_child() -> None:
+    """In the child, before exec: SIGKILL it when the actor's process dies (no orphaned stage processes), and
+    unblock every signal: Ray runs actor methods with SIGINT blocked, a child inherits its thread's signal
+    mask across exec, and the stage would never see `interrupt`'s Ctrl-C (it stays pending for ever)."""
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
 class StageWorker:
@@ -58,7 +61,7 @@ class StageWorker:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **self.env, **(extra_env or {})},
-                preexec_fn=_die_with_parent,
+                preexec_fn=_prepare_child,
             )
         import ray
 

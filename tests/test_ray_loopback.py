@@ -2,7 +2,8 @@
 
 The launcher's own `connect` starts Ray in this process and one stage actor runs; then every listening socket of
 this process and of all it started (the GCS, the raylet, Ray's agents and workers, the actor and its command) is
-listed with psutil, and each must be on a loopback address. Without `bind_ray_to_loopback` the GCS, the raylet
+listed with psutil, and each must be on a loopback address. Then the actor is retired as `opd scale` does
+it: its command must get SIGINT and stop on its own, well before the launcher's kill deadline. Without `bind_ray_to_loopback` the GCS, the raylet
 and the workers listen on `::` (all interfaces) and the runtime-env agent on the machine's external address.
 """
 
@@ -19,6 +20,16 @@ import yaml
 from opd_cache.config import load_config
 
 pytest.importorskip("ray")
+
+
+SLEEPER = """
+import time
+print("up", flush=True)
+try:
+    time.sleep(120)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
 
 
 def listening_sockets() -> list[tuple[str, str, int]]:
@@ -40,10 +51,10 @@ def is_loopback(address: str) -> bool:
     return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback  # dual-stack gRPC sockets: ::ffff:127.0.0.1
 
 
-def test_the_launchers_ray_listens_on_loopback_only(tmp_path):
+def test_the_launchers_ray_listens_on_loopback_only_and_retires_a_worker_by_sigint(tmp_path):
     import ray
 
-    from opd_cache.ray_launcher import RayLauncher
+    from opd_cache.ray_launcher import RETIRE_SECONDS, RayLauncher
 
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump({"store": {"uri": str(tmp_path / "store")}}))
@@ -51,7 +62,7 @@ def test_the_launchers_ray_listens_on_loopback_only(tmp_path):
     launcher.connect()
     try:
         # a stage actor whose command sleeps: its worker process (a core-worker server) and its child run
-        command = [sys.executable, "-c", "import time; time.sleep(60)"]
+        command = [sys.executable, "-c", SLEEPER]
         stage = launcher.stage_for("rollout-w00", command, tmp_path / "logs" / "rollout-w00.log")
         launcher.start(stage)
         deadline = time.monotonic() + 120
@@ -65,6 +76,18 @@ def test_the_launchers_ray_listens_on_loopback_only(tmp_path):
         assert len(sockets) >= 6, sockets
         assert [s for s in sockets if not is_loopback(s[1])] == []
         assert ray.util.get_node_ip_address() == "127.0.0.1"
+
+        # scale-down (`retire`): the command gets SIGINT, as Ctrl-C, and stops on its own; then the actor goes
+        while "up" not in (tmp_path / "logs" / "rollout-w00.log").read_text():
+            assert time.monotonic() < deadline, "the command did not start"
+            time.sleep(0.2)
+        retired = time.monotonic()
+        launcher.retire(stage)
+        while stage.refs:
+            launcher.poll(stage, time.monotonic(), max_restarts=0)
+            time.sleep(0.2)
+        assert "interrupted" in (tmp_path / "logs" / "rollout-w00.log").read_text()
+        assert time.monotonic() - retired < RETIRE_SECONDS  # stopped by its SIGINT, not killed at the deadline
     finally:
         launcher.stop(stage)
         ray.shutdown()

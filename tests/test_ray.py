@@ -107,9 +107,11 @@ def test_ray_run_survives_killed_actors_and_rescaling(disturbed_run):
     # Ray restarted what was killed; the scaled-up workers ran
     assert len(pids(logs, "annotate-teacher-0")) == 2 and len(pids(logs, "rollout-w00")) == 2
     assert all(pids(logs, f"annotate-teacher-{i}") for i in (1, 2))
-    # scaled away gracefully: SIGINT (as Ctrl-C), so the worker deleted its lease on the way out, not killed
+    # scaled away gracefully: SIGINT (as Ctrl-C), so the worker deleted its lease on the way out, not killed;
+    # at work it says "interrupted" (cli/common.py), still importing it ends with Python's KeyboardInterrupt
     for i in (1, 2):
-        assert "interrupted" in (logs / f"annotate-teacher-{i}.log").read_text()
+        log = (logs / f"annotate-teacher-{i}.log").read_text()
+        assert "interrupted" in log or log.rstrip().endswith("KeyboardInterrupt"), log[-1500:]
 
     # the trainer's ledger: every step once, every sample once, versions contiguous
     progress = store.read_progress()

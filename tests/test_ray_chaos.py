@@ -1,4 +1,6 @@
-"""Kill anything under `opd run --launcher ray` (-m chaos: 2.5 min on a quiet machine, 4.6 under load 8): the chaos test's invariants, Ray restarting.
+"""Kill anything under `opd run --launcher ray`: the chaos test's invariants, Ray restarting (-m chaos, 2.5 min).
+
+2.5 min on a quiet machine, 4.6 min at load average 8.
 
 tests/chaos/ray_driver.py runs the chaos driver's seeded schedule (kill points, tmp watch, random kills, damaged
 files, the LATEST watch) against one `opd run --launcher ray` on a local store, with fewer kills than the local

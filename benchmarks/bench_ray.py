@@ -3,6 +3,8 @@
     python benchmarks/bench_ray.py --shards 96                # docs/benchmarks.md: (a), (b), and (c) at 4 steps
     python benchmarks/bench_ray.py --only-launchers --steps 40  # docs/benchmarks.md: (c) on a longer run
     python benchmarks/bench_ray.py --only-launchers --demo --steps 200  # (c) on the demo's config
+    python benchmarks/bench_ray.py --only-launchers --rounds 3  # (c) alternating local / ray / local / ray …
+    python benchmarks/bench_ray.py --only-launchers --rounds 2 --attached  # and ray joining a running Ray
     python benchmarks/bench_ray.py --quick                    # a smoke run
 
 (a) Annotate throughput under Ray: N annotate actors (`opd annotate --follow`, leases) on one store of rollout
@@ -12,7 +14,10 @@
 (b) Lease requests per shard: one `Annotator` on an S3 store (a moto server on 127.0.0.1), the lease requests
     it made (LIST per poll, create, read-back, renew, check, delete) divided by the shards it annotated.
 (c) `opd run` wall time on the tiny config (4 steps), local launcher vs `--launcher ray` (its own one-machine
-    Ray, started and stopped inside the run): ratio ray / local, target <= 1.1.
+    Ray, started and stopped inside the run): ratio ray / local, target <= 1.1. With --rounds R the launchers
+    alternate (the first of each round alternates too) and the ratio is the median round's; with it come the
+    fixed costs of Ray as the launcher pays them: `ray.init` as the launcher calls it, an actor's first command
+    (create the actor, start its worker process, run `python -c pass`), and `ray.shutdown`.
 
 Results: tables on stdout and benchmarks/results/bench_ray.json (bench_ray_launchers_<steps>.json for
 --only-launchers).
@@ -25,6 +30,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,7 +69,7 @@ def make_store(uri: str, shards: int, rows: int, s3_endpoint: str | None = None)
 def annotate_under_ray(root: Path, workers: int, shards: int, rows: int) -> dict:
     import ray
 
-    from opd_cache.ray_launcher import StageWorker
+    from opd_cache.ray_actor import StageWorker
 
     store = make_store(str(root / f"store-{workers}"), 0, rows)  # run.json only: the shards come once all are up
     config = root / f"config-{workers}.yaml"
@@ -150,7 +156,7 @@ def lease_requests_on_s3(shards: int, rows: int) -> dict:
 
 
 # ---------------------------------------------------------------- (c) launchers
-def tiny_run_config(root: Path, steps: int) -> Path:
+def tiny_run_config(root: Path, steps: int, ray_address: str | None = None) -> Path:
     config = {
         "store": {"uri": str(root / "store")},
         "rollout": {
@@ -166,6 +172,8 @@ def tiny_run_config(root: Path, steps: int) -> Path:
         "train": {"max_steps": steps, "global_batch_samples": 16, "lr": 1e-3, "publish_every": 2, "save_every": 2},
         "run": {"evaluate": False},
     }
+    if ray_address:
+        config["ray"] = {"address": ray_address}
     Config.model_validate(config)
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -186,9 +194,11 @@ def demo_run_config(root: Path, steps: int) -> Path:
     return path
 
 
-def launcher_wall_time(root: Path, launcher: str, steps: int, demo: bool = False) -> float:
+def launcher_wall_time(
+    root: Path, launcher: str, steps: int, demo: bool = False, ray_address: str | None = None
+) -> float:
     root.mkdir(parents=True)
-    config = demo_run_config(root, steps) if demo else tiny_run_config(root, steps)
+    config = demo_run_config(root, steps) if demo else tiny_run_config(root, steps, ray_address)
     cmd = [sys.executable, "-m", "opd_cache.cli", "run", "--config", str(config), "--quiet"]
     cmd += ["--launcher", launcher, "--logs", str(root / "logs")]
     start = time.perf_counter()
@@ -199,6 +209,71 @@ def launcher_wall_time(root: Path, launcher: str, steps: int, demo: bool = False
     return seconds
 
 
+def ray_fixed_costs(root: Path) -> dict:
+    """The seconds of Ray's own start-up and shutdown in a run: ray.init, one actor to its command, shutdown."""
+    import ray
+
+    from opd_cache.ray_actor import StageWorker
+    from opd_cache.ray_launcher import bind_ray_to_loopback
+
+    started = time.perf_counter()
+    bind_ray_to_loopback()
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    init = time.perf_counter() - started
+    actor = ray.remote(StageWorker).options(num_cpus=1, max_concurrency=2)
+    command = [sys.executable, "-c", "pass"]
+    worker = actor.remote("w", command, str(root / "fixed.log"), str(root / "fixed.yaml"), "", {})
+    ray.get(worker.run.remote())
+    first_actor = time.perf_counter() - started - init
+    ray.kill(worker)
+    stop = time.perf_counter()
+    ray.shutdown()
+    return {"ray_init_s": init, "first_actor_s": first_actor, "shutdown_s": time.perf_counter() - stop}
+
+
+def launcher_rounds(root: Path, rounds: int, steps: int, demo: bool, attached: bool = False) -> dict:
+    """Alternating rounds of the launchers; the ratio is the median of the rounds' ratios.
+
+    attached: a third variant, `--launcher ray` joining a Ray that this script keeps running (as with
+    `ray start --head` once and `--address` for every run), so the run pays no `ray.init` nor shutdown."""
+    address = None
+    variants = ["local", "ray"]
+    if attached:
+        import ray
+
+        from opd_cache.ray_launcher import bind_ray_to_loopback
+
+        bind_ray_to_loopback()
+        ray.init(num_cpus=24, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+        address = ray.get_runtime_context().gcs_address
+        variants.append("ray-attached")
+    runs = []
+    try:
+        for r in range(rounds):
+            order = variants if r % 2 == 0 else variants[::-1]
+            times = {}
+            for variant in order:
+                load = os.getloadavg()[0]
+                launcher = "local" if variant == "local" else "ray"
+                joined = address if variant == "ray-attached" else None
+                times[variant] = launcher_wall_time(root / f"{variant}-{r}", launcher, steps, demo, joined)
+                times[f"{variant}_load1"] = load
+            times["ratio"] = times["ray"] / times["local"]
+            if attached:
+                times["attached_ratio"] = times["ray-attached"] / times["local"]
+            runs.append(times)
+            print(
+                f"round {r}: " + ", ".join(f"{v} {times[v]:.1f} s" for v in variants) + f", ratio {times['ratio']:.2f}x"
+            )
+    finally:
+        if attached:
+            ray.shutdown()
+    result = {"steps": steps, "rounds": runs, "median_ratio": statistics.median(t["ratio"] for t in runs)}
+    if attached:
+        result["median_attached_ratio"] = statistics.median(t["attached_ratio"] for t in runs)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -207,6 +282,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="Trainer steps of (c) (default 4).")
     parser.add_argument("--only-launchers", action="store_true", help="Only (c).")
     parser.add_argument("--demo", action="store_true", help="(c) on the demo's config (--steps of its 800).")
+    parser.add_argument("--rounds", type=int, default=1, help="(c): alternating rounds of the two launchers.")
+    parser.add_argument("--attached", action="store_true", help="(c) --rounds: also ray joining a running Ray.")
     args = parser.parse_args()
     shards, rows, steps = (6, 8, 2) if args.quick else (24, 16, 4)
     shards = args.shards or shards
@@ -216,6 +293,21 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-ray-") as tmp:
         root = Path(tmp)
+        if args.only_launchers and args.rounds > 1:
+            results["fixed_costs"] = ray_fixed_costs(root)
+            print("Ray's fixed costs: " + ", ".join(f"{k} {v:.2f}" for k, v in results["fixed_costs"].items()))
+            results["launchers"] = launcher_rounds(root, args.rounds, steps, args.demo, args.attached)
+            results["launchers"]["config"] = "demo" if args.demo else "tiny"
+            results["load_after"] = open("/proc/loadavg").read().strip()
+            print(f"(c) median ratio over {args.rounds} rounds: {results['launchers']['median_ratio']:.2f}x")
+            if args.attached:
+                print(f"    joining a running Ray: {results['launchers']['median_attached_ratio']:.2f}x")
+            tags = ("demo_" if args.demo else "", str(steps), "_rounds", "_attached" if args.attached else "")
+            name = f"bench_ray_launchers_{''.join(tags)}.json"
+            out = REPO / "benchmarks/results" / name
+            out.write_text(json.dumps(results, indent=2) + "\n")
+            print(f"wrote {out}")
+            return
         if args.only_launchers:
             local = launcher_wall_time(root / "local", "local", steps, args.demo)
             on_ray = launcher_wall_time(root / "ray", "ray", steps, args.demo)

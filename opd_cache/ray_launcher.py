@@ -1,11 +1,11 @@
 """`opd run --launcher ray`: the same stage commands as `opd run`, each run by a Ray actor (docs/scale-out.md).
 
-Every stage worker is an actor that runs the stage's usual command (`python -m opd_cache.cli <stage> …`, the
-argv of `opd_cache.run.stage_commands`) as its child process, so a stage behaves exactly as under the local
-launcher or on a hand-started machine. Why a child and not the stage in the actor's own process: the stages
-own their process (signal handlers, torch threads, `torch.distributed` state, CUDA context), and a restart
-must start from a clean one. The child dies with its actor (PR_SET_PDEATHSIG), and the actor dies with its
-child (a non-zero exit ends the actor), so for Ray "the worker died" is one event:
+Every stage worker is an actor (ray_actor.py) that runs the stage's usual command (`python -m opd_cache.cli
+<stage> …`, the argv of `opd_cache.run.stage_commands`) as its child process, so a stage behaves exactly as
+under the local launcher or on a hand-started machine. Why a child and not the stage in the actor's own
+process: the stages own their process (signal handlers, torch threads, `torch.distributed` state, CUDA
+context), and a restart must start from a clean one. The child dies with its actor (PR_SET_PDEATHSIG), and
+the actor dies with its child (a non-zero exit ends the actor), so for Ray "the worker died" is one event:
 
 - rollout, annotate and the evaluator are actors with the resources of their `ray.<stage>` section and
   `max_restarts = run.max_restarts`: Ray restarts a dead one (killed, OOM, its node lost) and re-runs it;
@@ -13,19 +13,17 @@ child (a non-zero exit ends the actor), so for Ray "the worker died" is one even
   WORLD_SIZE, MASTER_ADDR/PORT for FSDP2; each rank sees only its own GPUs, so LOCAL_RANK is 0). A dead rank
   takes its peers down, so the launcher restarts the whole group (it resumes from its newest state);
 - `opd scale --store S --annotate N --rollout M` writes `launch/scale.json`; the launcher reads it every
-  `ray.scale_poll_seconds` and adds or removes workers while the run goes on. Annotate workers claim shards by
-  leases (annotate/leases.py), so a removed worker's shard is taken over after its lease expires.
+  `ray.scale_poll_seconds` and adds or removes workers while the run goes on. A removed worker is stopped as by
+  Ctrl-C (`retire`): rollout flushes its rows, annotate releases its shard lease (annotate/leases.py), which
+  another worker takes at once; one that does not stop within RETIRE_SECONDS is killed, and its lease expires.
+- a one-machine Ray started here listens on 127.0.0.1 only (`bind_ray_to_loopback`).
 
 Nothing goes between the stages except the store, so the dashboard and `opd report` are unchanged.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,18 +32,31 @@ from pathlib import Path
 import opd_cache
 from opd_cache.config import Config, StageResources
 from opd_cache.demand import announce_demand
+from opd_cache.ray_actor import StageWorker
 from opd_cache.run import RunDisplay, StopSignals, stage_commands
 from opd_cache.store import Store, StoreError
 
 SCALE_FILE = "launch/scale.json"  # {"rollout": R, "annotate": A}: written by `opd scale`, read by the launcher
+RETIRE_SECONDS = 30.0  # a worker scaled away has this long to stop cleanly after its SIGINT, then it is killed
 MAX_SCALE_UP = 8  # a one-machine Ray started by the launcher has CPU tokens for this many extra workers per stage
 PASSED_ENV = ("AWS_", "OPD_", "HF_", "TRANSFORMERS_", "WANDB_")  # what the stages read from the environment
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL it when the actor's process dies (no orphaned stage processes)."""
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def bind_ray_to_loopback() -> None:
+    """Make the one-machine Ray that `ray.init` starts listen on 127.0.0.1 only (call before `ray.init`).
+
+    `ray.init(_node_ip_address="127.0.0.1")` alone does not: Ray turns a loopback node address into the
+    machine's external one (ray/_private/services.py `resolve_ip_for_localhost`, via `get_node_ip_address`)
+    unless multi-machine clusters are off, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (the default on macOS and
+    Windows). With the node address 127.0.0.1 every Ray server binds to it instead of 0.0.0.0: the GCS
+    (src/ray/gcs/gcs_server.cc, `rpc_server_(…, config.node_ip_address == "127.0.0.1", …)`), the raylet, each
+    worker's core-worker server (core_worker.cc, `options_.node_ip_address == "127.0.0.1"`), and the
+    runtime-env agent binds the node address itself. tests/test_ray_loopback.py lists the listening sockets.
+    """
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the processes Ray starts read it when they import ray
+    ray_constants.ENABLE_RAY_CLUSTER = False  # this process read it when it imported ray
 
 
 def check_store_reachable(store: Store, nodes: int, shared_filesystem: bool) -> None:
@@ -56,46 +67,6 @@ def check_store_reachable(store: Store, nodes: int, shared_filesystem: bool) -> 
             f"directory that the other nodes cannot see; use s3://… (or gs://…), or set "
             f"ray.shared_filesystem=true if {store.uri} is a shared filesystem mounted on every node"
         )
-
-
-class StageWorker:
-    """The body of a stage actor: runs one stage command to its end; a failure kills the actor (Ray restarts it)."""
-
-    def __init__(self, name: str, argv: list[str], log_path: str, config_path: str, config_text: str, env: dict):
-        self.name, self.argv, self.log_path = name, argv, Path(log_path)
-        self.config_path, self.config_text, self.env = Path(config_path), config_text, env
-
-    def node_ip(self) -> str:
-        import ray
-
-        return ray.util.get_node_ip_address()
-
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
-
-    def run(self, extra_env: dict | None = None) -> int:
-        if not self.config_path.exists():  # another node: the resolved config is written where the command expects it
-            self.config_path.parent.mkdir(parents=True, exist_ok=True)
-            self.config_path.write_text(self.config_text)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, *self.argv[1:]]  # this node's python
-        with open(self.log_path, "ab") as log:
-            proc = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env, **(extra_env or {})},
-                preexec_fn=_die_with_parent,
-            )
-        with open(self.log_path.with_suffix(".pids"), "a") as f:  # one line per start: restarts are visible
-            f.write(f"{os.getpid()} {proc.pid}\n")
-        code = proc.wait()
-        if code != 0:
-            print(f"{self.name}: exited with status {code}", file=sys.stderr, flush=True)
-            os._exit(1)  # an actor death: Ray restarts the actor and re-runs this method (max_restarts)
-        return 0
 
 
 @dataclass
@@ -117,6 +88,7 @@ class RayStage:
     failed: bool = False
     exit_codes: list[int] = field(default_factory=list)
     removed: bool = False  # scaled away
+    retire_by: float = 0.0  # scaled away: killed at this time unless its command has stopped by then
 
     @property
     def proc(self):  # the dashboard's `stage_state` asks `stage.proc.poll()`
@@ -157,6 +129,8 @@ class RayLauncher:
         passed = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV)}
         runtime_env = {"env_vars": {**passed, "PYTHONPATH": pythonpath}}  # actors import this tree's opd_cache
         if cfg.ray.address:
+            if cfg.ray.address.split("://")[-1].rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
+                bind_ray_to_loopback()  # a cluster on this machine's loopback (tests): this driver's server too
             ray.init(address=cfg.ray.address, runtime_env=runtime_env, log_to_driver=False)
         else:
             # logical CPUs (scheduling tokens, not cores): the configured stages, and room for `opd scale` to add
@@ -164,10 +138,11 @@ class RayLauncher:
             stages = [cfg.ray.rollout] * cfg.run.rollout_workers + [cfg.ray.annotate] * cfg.run.annotate_workers
             stages += [cfg.ray.rollout, cfg.ray.annotate] * MAX_SCALE_UP + [cfg.ray.eval]
             wanted = sum(r.num_cpus for r in stages) + cfg.ray.train.num_cpus * cfg.ray.train_world_size
+            bind_ray_to_loopback()  # one machine: nothing listens beyond 127.0.0.1
             ray.init(
                 num_cpus=max(os.cpu_count() or 1, int(wanted + 0.999)),
                 include_dashboard=False,
-                _node_ip_address="127.0.0.1",  # one machine: nothing listens beyond loopback
+                _node_ip_address="127.0.0.1",
                 runtime_env=runtime_env,
                 log_to_driver=False,
             )
@@ -187,7 +162,8 @@ class RayLauncher:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         res = stage.resources
-        options = dict(num_cpus=res.num_cpus, num_gpus=res.num_gpus, resources=dict(res.resources))
+        # max_concurrency 2: `interrupt` (scale-down) can reach the actor while its `run` waits for the command
+        options = dict(num_cpus=res.num_cpus, num_gpus=res.num_gpus, resources=dict(res.resources), max_concurrency=2)
         actor_cls = ray.remote(StageWorker)
         if stage.world_size == 1 and stage.ray_restarts:
             options.update(max_restarts=stage.ray_restarts, max_task_retries=stage.ray_restarts)
@@ -245,6 +221,10 @@ class RayLauncher:
         if not stage.refs:
             return None
         done, _ = self.ray.wait(stage.refs, num_returns=len(stage.refs), timeout=0)
+        if stage.removed:  # scaled away: stopped on its own after `retire`, or killed now for not stopping in time
+            if done or now >= stage.retire_by:
+                self.stop(stage)
+            return None
         errors = []
         for ref in done:
             try:
@@ -280,14 +260,28 @@ class RayLauncher:
         wanted = {s.name: s for s in stage_commands(cfg, self.config_path, self.logs)}
         for stage in self.stages:
             if stage.name not in wanted and not stage.removed and stage.name.split("-")[0] in ("rollout", "annotate"):
-                self.stop(stage)  # a removed annotate worker's lease expires; another worker takes its shard
-                stage.removed, stage.finished = True, True
+                self.retire(stage)
         present = {s.name for s in self.stages if not s.removed}
         for name, spec in wanted.items():
             if name not in present:
-                self.stages = [s for s in self.stages if s.name != name]  # a worker scaled away, now back
+                for old in [s for s in self.stages if s.name == name]:  # a worker scaled away, now back
+                    self.stop(old)  # still stopping: one process per worker id
+                    self.stages.remove(old)
                 self.stages.append(self.stage_for(name, spec.argv, spec.log_path))
         print(f"opd run: scaled to {cfg.run.rollout_workers} rollout, {cfg.run.annotate_workers} annotate", flush=True)
+
+    def retire(self, stage: RayStage) -> None:
+        """Scale-down, gracefully: SIGINT to the command, as Ctrl-C. A rollout worker flushes its buffered rows,
+        an annotate worker drops its shard and deletes the lease (its `with lease:` block exits), so another
+        worker takes the shard over at its next poll instead of after the expiry. `poll` kills the actor once the
+        command has stopped, or after RETIRE_SECONDS (then the lease expires as after a crash)."""
+        stage.removed, stage.finished = True, True
+        if not stage.refs:  # created but its command not started: nothing to stop cleanly
+            self.stop(stage)
+            return
+        for actor in stage.actors:
+            actor.interrupt.remote()  # not waited for: the actor may still be starting
+        stage.retire_by = time.monotonic() + RETIRE_SECONDS
 
     # ---------------------------------------------------------------- the run
     def supervise(self, quiet: bool = False) -> int:

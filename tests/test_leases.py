@@ -196,3 +196,34 @@ def test_a_frozen_lease_holder_is_taken_over_and_its_late_result_is_dropped(stor
         assert hashlib.sha256(store.read_bytes(rel)).hexdigest() == digests[s]
         read_shard(store, rel, kind=ANNOTATED, run=store.require_run())
     assert lease_files(store) == []
+
+
+def test_an_interrupted_holder_releases_its_lease_at_once(store, teacher_path):
+    """Scale-down under Ray sends SIGINT (ray_actor.StageWorker.interrupt): the holder deletes its lease on the
+    way out, so another worker takes the shard at once instead of after the expiry (60 s here)."""
+    shard_ids = write_shards(store, 3, num_rows=4)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FROZEN_WORKER, store.uri, str(teacher_path), "60"],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.time() + 120
+        while not lease_files(store) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        assert lease_files(store) == [f"{shard_ids[0]}.000000.json"], proc.stdout.read().decode()[-2000:]
+        os.kill(proc.pid, signal.SIGINT)  # while it scores its first shard (a 1 s teacher call)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "KeyboardInterrupt" in out.decode()
+    assert lease_files(store) == []  # released, not left to expire
+    assert not store.list_annotated_parts()  # its shard was dropped, not half-published
+    started = time.monotonic()
+    taker = Annotator(store, config(teacher_path, top_k=4, worker_id="taker", lease_seconds=60))
+    assert sorted(taker.run().annotated) == shard_ids  # the interrupted one's shard included, no waiting
+    assert time.monotonic() - started < 30

@@ -32,7 +32,8 @@ STEPS = 40  # long enough (after the slow start of the actors on a loaded machin
 def pids(logs: Path, stage: str) -> list[tuple[int, int]]:
     """(actor pid, stage process pid) of each start of a stage's actor, from its `.pids` file."""
     path = logs / f"{stage}.pids"
-    return [tuple(map(int, line.split())) for line in path.read_text().splitlines()] if path.exists() else []
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(int(line.split()[0]), int(line.split()[1])) for line in lines]  # the third field: the node id
 
 
 def wait_for(condition, timeout: float, what: str, proc) -> None:
@@ -106,6 +107,11 @@ def test_ray_run_survives_killed_actors_and_rescaling(disturbed_run):
     # Ray restarted what was killed; the scaled-up workers ran
     assert len(pids(logs, "annotate-teacher-0")) == 2 and len(pids(logs, "rollout-w00")) == 2
     assert all(pids(logs, f"annotate-teacher-{i}") for i in (1, 2))
+    # scaled away gracefully: SIGINT (as Ctrl-C), so the worker deleted its lease on the way out, not killed;
+    # at work it says "interrupted" (cli/common.py), still importing it ends with Python's KeyboardInterrupt
+    for i in (1, 2):
+        log = (logs / f"annotate-teacher-{i}.log").read_text()
+        assert "interrupted" in log or log.rstrip().endswith("KeyboardInterrupt"), log[-1500:]
 
     # the trainer's ledger: every step once, every sample once, versions contiguous
     progress = store.read_progress()

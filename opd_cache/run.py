@@ -5,9 +5,9 @@ opd_cache.cli <stage> --config <resolved config> …`), so what `opd run` does
 on one machine is exactly what separate machines do against a shared store.
 The supervisor:
 
-- starts every stage at once (the evaluator once run.json exists): annotate and
-  train load their models while rollout loads its own and creates run.json,
-  then wait for it and check it as when started by hand (`may_start`);
+- starts every stage at once: annotate, train and the evaluator do their
+  imports and load their models while rollout loads its own and creates
+  run.json, then wait for it and check it as when started by hand;
 - restarts a stage that exits with an error, with exponential back-off, up to
   `run.max_restarts` times (its work is resumable: see docs/reliability.md);
 - shows one live dashboard built from the store alone (shards, annotated parts,
@@ -135,14 +135,6 @@ def eval_command(cfg: Config, config_path: Path, teacher: str | os.PathLike) -> 
     ]
 
 
-def may_start(stage: StageProcess, store: Store) -> bool:
-    """Every stage starts at once except the evaluator: rollout creates run.json, annotate and train do their
-    imports and load their models meanwhile and then wait for it themselves (the critical path to the first
-    step overlaps the three model loads). The evaluator opens the store's student from run.json, and it is
-    off that path: started early, it would only take a core from the stages the first step waits for."""
-    return stage.name != "eval" or store.has_run()
-
-
 def read_run_state(
     store: Store, total_steps: int | None = None, started: float | None = None, tally: ShardTally | None = None
 ) -> dict:
@@ -212,7 +204,7 @@ def stage_state(stage: StageProcess) -> str:
     if stage.proc is not None and stage.proc.poll() is None:
         return "running" + (f" (restart {stage.restarts})" if stage.restarts else "")
     if not stage.exit_codes:
-        return "starting"  # not started yet: the evaluator waits for run.json (may_start)
+        return "starting"  # not started yet
     return "waiting to restart"
 
 
@@ -342,8 +334,7 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
     env.setdefault("COLUMNS", "200")  # a log file has no width: rich would wrap the stages' lines at 80 columns
     announce_demand(store, cfg.train)  # rollout paces on the trainer's demand before the trainer starts
     for stage in stages:
-        if may_start(stage, store):
-            stage.start(env)
+        stage.start(env)
 
     stop = StopSignals()
     failure = None
@@ -354,13 +345,7 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
                 now = time.monotonic()
                 failure = poll_stages(stages, now, cfg.run.max_restarts)  # the loop ends at the first
                 for stage in stages:
-                    if (
-                        stage.proc is None
-                        and not stage.finished
-                        and not stage.failed
-                        and now >= stage.next_start
-                        and may_start(stage, store)
-                    ):
+                    if stage.proc is None and not stage.finished and not stage.failed and now >= stage.next_start:
                         stage.start(env)
                 display.update()
                 trainer = next(s for s in stages if s.name == "train")

@@ -71,7 +71,7 @@ def wait_until_sleeping_on_run_json(thread: InThread, loaded: threading.Event) -
 
 
 # ---------------------------------------------------------------- the supervisor
-def test_supervisor_starts_every_stage_but_the_evaluator_before_run_json_exists(tmp_path, monkeypatch):
+def test_supervisor_starts_every_stage_before_run_json_exists(tmp_path, monkeypatch):
     from opd_cache import run as run_module
     from opd_cache.config import load_config
     from opd_cache.run import StageProcess
@@ -95,14 +95,14 @@ def test_supervisor_starts_every_stage_but_the_evaluator_before_run_json_exists(
         stage("rollout-w00", "time.sleep(2)", f"pathlib.Path({str(run_json)!r}).write_text('{{}}')", "time.sleep(2)"),
         stage("annotate-teacher-0", wait_for_run),
         stage("train", wait_for_run, "time.sleep(1)"),
-        stage("eval"),
+        stage("eval", wait_for_run),
     ]
     cfg = load_config(tiny_config(tmp_path), overrides={"run.max_restarts": 0, "run.drain_seconds": 30})
     monkeypatch.setattr(run_module, "stage_commands", lambda cfg, config_path, logs: stages)
     assert run_module.supervise(cfg, tmp_path / "config.yaml", tmp_path / "logs", quiet=True) == 0
     saw_run = {p.name: p.read_text() for p in seen.iterdir()}
-    # annotate and train started while rollout was still loading; the evaluator only once run.json was there
-    assert saw_run == {"rollout-w00": "False", "annotate-teacher-0": "False", "train": "False", "eval": "True"}
+    # annotate, train and the evaluator started while rollout was still loading
+    assert saw_run == {"rollout-w00": "False", "annotate-teacher-0": "False", "train": "False", "eval": "False"}
 
 
 # ---------------------------------------------------------------- the annotator

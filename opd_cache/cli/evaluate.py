@@ -12,6 +12,7 @@ import typer
 from opd_cache.cli.common import app, console, user_errors
 from opd_cache.cli.config_flags import ConfigArgs, config_flags
 from opd_cache.layout import RUN_JSON
+from opd_cache.store import Store
 
 
 def _interrupt(signum, frame):
@@ -50,6 +51,10 @@ def eval_command(
     cfg = full.eval
     if cfg.prompts is None:
         raise ValueError("--prompts is required (or eval.prompts in --config)")
+    if follow and not Path(model, "config.json").exists():
+        # `opd run` starts the evaluator with the other stages: the store's run.json comes with the first rollout
+        # worker (the evaluator's imports are done meanwhile, and its baseline, version 0, shows early)
+        Store(model, s3_endpoint=full.store.s3_endpoint).wait_for_run(2.0, say=console.print)
     # missing local inputs: one clear line before any tokenizer, prompt file or model loads
     if "://" not in model and not Path(model, RUN_JSON).exists():
         check_model_path(model, "--model")

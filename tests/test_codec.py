@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from opd_cache import codec, schema
+from opd_cache import codec, quantize, schema
 from opd_cache.annotate import annotate
 from opd_cache.config import AnnotateConfig
 from opd_cache.losses import LossConfig, token_losses
@@ -87,7 +87,7 @@ def test_logprobs_round_trip_within_the_stated_bound_and_keep_the_mass_exact(k, 
     finite = np.isfinite(lp)
     np.testing.assert_array_equal(np.isfinite(decoded), finite)  # -inf stays -inf, nothing else becomes it
     error = np.where(finite, np.abs(decoded.astype(np.float64) - np.where(finite, lp, 0.0)), 0.0)
-    bound = codec.logprob_bound(lp)
+    bound = quantize.logprob_bound(lp)
     # float32 storage adds its own rounding of the result (|lp| * 2**-24 relative)
     slack = 1e-6 + np.abs(np.where(finite, lp, 0.0)) * 2.0**-23
     worst = np.unravel_index(np.argmax(error - bound - slack), error.shape)
@@ -104,7 +104,7 @@ def test_the_bound_is_tight_enough_to_fail_a_one_code_error():
     codes, log_mass, log_range = codec.quantize_logprobs(lp)
     codes[:, 8] = np.minimum(codes[:, 8] + 1, 254)  # off by one code step
     decoded = codec.dequantize_logprobs(codes, log_mass, log_range)
-    assert (np.abs(decoded - lp) > codec.logprob_bound(lp)).any()
+    assert (np.abs(decoded - lp) > quantize.logprob_bound(lp)).any()
 
 
 # ---------------------------------------------------------------- parts on a store
@@ -163,7 +163,7 @@ def assert_decodes_within_bound(got: pa.Table, plain: pa.Table) -> None:
     np.testing.assert_array_equal(got_sorted_ids, sorted_ids)
     finite = np.isfinite(sorted_lp)
     np.testing.assert_array_equal(np.isfinite(got_sorted_lp), finite)
-    bound = by_id(ids, codec.logprob_bound(lp))[1]
+    bound = by_id(ids, quantize.logprob_bound(lp))[1]
     error = np.where(finite, np.abs(got_sorted_lp - np.where(finite, sorted_lp, 0.0)), 0.0)
     assert (error <= bound + 1e-6).all()
     assert got["teacher_token_logprob"].equals(plain["teacher_token_logprob"])
@@ -383,9 +383,9 @@ def test_parts_written_before_the_range_grid_still_decode_within_their_bound(mon
     """Ranges off the lookup grid (parts from before it, rows spanning > MAX_GRID_GAP) take the exact path."""
     lp = sorted_logprobs(np.random.default_rng(5), 200, 400, 32, 3.0)
     grid_codes, grid_mass, grid_range = codec.quantize_logprobs(lp)
-    monkeypatch.setattr(codec, "_row_ranges", lambda max_gaps: np.log1p(max_gaps / codec.GAP_SCALE))
+    monkeypatch.setattr(quantize, "_row_ranges", lambda max_gaps: np.log1p(max_gaps / quantize.GAP_SCALE))
     codes, log_mass, log_range = codec.quantize_logprobs(lp)  # as the first packed codec wrote them
-    bound = codec.logprob_bound(lp)
+    bound = quantize.logprob_bound(lp)
     monkeypatch.undo()
     assert not np.array_equal(log_range, grid_range)  # really off the grid
     decoded = codec.dequantize_logprobs(codes, log_mass, log_range)

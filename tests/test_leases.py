@@ -155,21 +155,29 @@ print("annotated", len(stats.annotated))
 """
 
 
-def test_a_frozen_lease_holder_is_taken_over_and_its_late_result_is_dropped(store, teacher_path):
-    shard_ids = write_shards(store, 3, num_rows=4)
-    lease_seconds = 1.5
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
+def start_slow_holder(store, teacher_path, lease_seconds: float) -> subprocess.Popen:
+    """An annotate worker in its own process (FROZEN_WORKER: a teacher call takes 1 s), to stop or interrupt."""
+    return subprocess.Popen(
         [sys.executable, "-c", FROZEN_WORKER, store.uri, str(teacher_path), str(lease_seconds)],
         cwd=REPO,
-        env=env,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+
+
+def wait_for_its_first_lease(proc: subprocess.Popen, store) -> None:
+    deadline = time.time() + 120
+    while not lease_files(store) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_frozen_lease_holder_is_taken_over_and_its_late_result_is_dropped(store, teacher_path):
+    shard_ids = write_shards(store, 3, num_rows=4)
+    lease_seconds = 1.5
+    proc = start_slow_holder(store, teacher_path, lease_seconds)
     try:
-        deadline = time.time() + 120
-        while not lease_files(store) and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.01)
+        wait_for_its_first_lease(proc, store)
         os.kill(proc.pid, signal.SIGSTOP)  # frozen while it scores its first shard
         assert lease_files(store) == [f"{shard_ids[0]}.000000.json"], proc.stdout.read().decode()[-2000:]
         time.sleep(lease_seconds + 0.5)  # its lease expires: no renewal from a stopped process
@@ -202,17 +210,9 @@ def test_an_interrupted_holder_releases_its_lease_at_once(store, teacher_path):
     """Scale-down under Ray sends SIGINT (ray_actor.StageWorker.interrupt): the holder deletes its lease on the
     way out, so another worker takes the shard at once instead of after the expiry (60 s here)."""
     shard_ids = write_shards(store, 3, num_rows=4)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", FROZEN_WORKER, store.uri, str(teacher_path), "60"],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    proc = start_slow_holder(store, teacher_path, 60)
     try:
-        deadline = time.time() + 120
-        while not lease_files(store) and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.01)
+        wait_for_its_first_lease(proc, store)
         assert lease_files(store) == [f"{shard_ids[0]}.000000.json"], proc.stdout.read().decode()[-2000:]
         os.kill(proc.pid, signal.SIGINT)  # while it scores its first shard (a 1 s teacher call)
         out, _ = proc.communicate(timeout=60)

@@ -451,12 +451,36 @@ class ChaosDriver:
         if not seen or latest != seen[-1]:
             seen.append(latest)
 
+    # ------------------------------------------------------------ the faults' schedule (seeded)
+    def _start_fault_clocks(self) -> None:
+        """When the first random kill and the first file damage fall due: the same schedule for the same seed."""
+        self._t0 = time.monotonic()
+        self._next_random = self._t0 + self.rng.expovariate(1.0 / self.settings.random_interval_s)
+        self._next_latest = 0.0
+        self._next_corrupt = self._t0 + self.rng.expovariate(1.0 / self.settings.corrupt_interval_s)
+
+    def _faults_and_checks(self, now: float) -> None:
+        """One turn of a driver's loop: the temp-file watch, and the random kill, LATEST check and file damage
+        whose time has come."""
+        if self.store.is_local:
+            self._watch_tmp()
+        if now >= self._next_random:
+            self._random_kill()
+            self._next_random = now + self.rng.expovariate(1.0 / self.settings.random_interval_s)
+        if now >= self._next_latest:
+            self._check_latest()
+            self._next_latest = now + 0.5
+        if (
+            now >= self._next_corrupt
+            and len(self.report.corrupted) < self.settings.corruptions
+            and not self.store.is_done()
+        ):
+            self._corrupt_random_file()
+            self._next_corrupt = now + self.rng.expovariate(1.0 / self.settings.corrupt_interval_s)
+
     # ------------------------------------------------------------ the run
     def run(self) -> ChaosReport:
-        self._t0 = time.monotonic()
-        next_random = self._t0 + self.rng.expovariate(1.0 / self.settings.random_interval_s)
-        next_latest = 0.0
-        next_corrupt = self._t0 + self.rng.expovariate(1.0 / self.settings.corrupt_interval_s)
+        self._start_fault_clocks()
         finished: set[str] = set()
         have_run = False
         try:
@@ -492,21 +516,7 @@ class ChaosDriver:
                 if len(finished) == len(self.stages):
                     break
                 self._handle_pauses()
-                if self.store.is_local:
-                    self._watch_tmp()
-                if now >= next_random:
-                    self._random_kill()
-                    next_random = now + self.rng.expovariate(1.0 / self.settings.random_interval_s)
-                if now >= next_latest:
-                    self._check_latest()
-                    next_latest = now + 0.5
-                if (
-                    now >= next_corrupt
-                    and len(self.report.corrupted) < self.settings.corruptions
-                    and not self.store.is_done()
-                ):
-                    self._corrupt_random_file()
-                    next_corrupt = now + self.rng.expovariate(1.0 / self.settings.corrupt_interval_s)
+                self._faults_and_checks(now)
                 time.sleep(0.015)
             self._check_latest()
         finally:

@@ -101,10 +101,7 @@ class RayChaosDriver(ChaosDriver):
                 os.kill(pid, signal.SIGCONT)
 
     def run(self) -> ChaosReport:
-        self._t0 = time.monotonic()
-        next_random = self._t0 + self.rng.expovariate(1.0 / self.settings.random_interval_s)
-        next_latest = 0.0
-        next_corrupt = self._t0 + self.rng.expovariate(1.0 / self.settings.corrupt_interval_s)
+        self._start_fault_clocks()
         out = open(self.workdir / "opd-run.txt", "w")
         cmd = [sys.executable, "-m", "opd_cache.cli", "run", "--launcher", "ray", "--quiet"]
         cmd += ["--config", str(self.config_path), "--logs", str(self.logs)]
@@ -116,21 +113,7 @@ class RayChaosDriver(ChaosDriver):
                     raise ChaosFailure(f"the Ray chaos run did not finish in {self.settings.timeout_s:.0f} s")
                 self._handle_pauses()
                 self._resume_others()
-                if self.store.is_local:
-                    self._watch_tmp()
-                if now >= next_random:
-                    self._random_kill()
-                    next_random = now + self.rng.expovariate(1.0 / self.settings.random_interval_s)
-                if now >= next_latest:
-                    self._check_latest()
-                    next_latest = now + 0.5
-                if (
-                    now >= next_corrupt
-                    and len(self.report.corrupted) < self.settings.corruptions
-                    and not self.store.is_done()
-                ):
-                    self._corrupt_random_file()
-                    next_corrupt = now + self.rng.expovariate(1.0 / self.settings.corrupt_interval_s)
+                self._faults_and_checks(now)
                 time.sleep(0.02)
             self._check_latest()
         finally:

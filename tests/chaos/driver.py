@@ -47,7 +47,6 @@ from opd_cache.run import StageProcess, stage_commands
 from opd_cache.store import TMP_MARKER, Store, StoreError, parse_shard_id
 from tests.helpers import tiny_run_config, write_config
 
-REPO = Path(__file__).resolve().parents[2]
 HOOK_DIR = Path(__file__).resolve().parent / "hook"
 
 # Kill points the run must hit at least this many times (the point names are hook/sitecustomize.py's).

@@ -19,9 +19,12 @@ from pathlib import Path
 def _prepare_child() -> None:
     """In the child, before exec: SIGKILL it when the actor's process dies (no orphaned stage processes), and
     unblock every signal: Ray runs actor methods with SIGINT blocked, a child inherits its thread's signal
-    mask across exec, and the stage would never see `interrupt`'s Ctrl-C (it stays pending for ever)."""
+    mask across exec, and the stage would never see `interrupt`'s Ctrl-C (it stays pending for ever). SIGINT's
+    handler goes back to the default too: a Ray started from a background shell job (`cmd &`) inherits SIGINT
+    ignored, and a Python started with SIGINT ignored never installs its KeyboardInterrupt handler."""
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 

@@ -163,6 +163,8 @@ def start_slow_holder(store, teacher_path, lease_seconds: float) -> subprocess.P
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        # Ctrl-C as in a terminal, also when the tests run from a background job (`cmd &` starts it ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
@@ -214,7 +216,8 @@ def test_an_interrupted_holder_releases_its_lease_at_once(store, teacher_path):
     try:
         wait_for_its_first_lease(proc, store)
         assert lease_files(store) == [f"{shard_ids[0]}.000000.json"], proc.stdout.read().decode()[-2000:]
-        os.kill(proc.pid, signal.SIGINT)  # while it scores its first shard (a 1 s teacher call)
+        time.sleep(0.3)  # inside its first shard's 1 s teacher call, past the lease's creation
+        os.kill(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -155,6 +155,13 @@ print("annotated", len(stats.annotated))
 """
 
 
+def ctrl_c_as_in_a_terminal() -> None:
+    """In the child before exec: SIGINT's default handler and no blocked signals, whatever the test process
+    inherited or set up (a background job starts with SIGINT ignored; a blocked mask passes across exec)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 def start_slow_holder(store, teacher_path, lease_seconds: float) -> subprocess.Popen:
     """An annotate worker in its own process (FROZEN_WORKER: a teacher call takes 1 s), to stop or interrupt."""
     return subprocess.Popen(
@@ -163,8 +170,7 @@ def start_slow_holder(store, teacher_path, lease_seconds: float) -> subprocess.P
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        # Ctrl-C as in a terminal, also when the tests run from a background job (`cmd &` starts it ignored)
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=ctrl_c_as_in_a_terminal,
     )
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 
-def _prepare_child() -> None:
+def prepare_stage_process() -> None:
     """In the child, before exec: SIGKILL it when the actor's process dies (no orphaned stage processes), and
     unblock every signal: Ray runs actor methods with SIGINT blocked, a child inherits its thread's signal
     mask across exec, and the stage would never see `interrupt`'s Ctrl-C (it stays pending for ever). SIGINT's
@@ -64,7 +64,7 @@ class StageWorker:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **self.env, **(extra_env or {})},
-                preexec_fn=_prepare_child,
+                preexec_fn=prepare_stage_process,
             )
         import ray
 

@@ -19,6 +19,7 @@ import pytest
 from opd_cache.annotate import Annotator
 from opd_cache.annotate.leases import LEASES_DIR, LeaseBook
 from opd_cache.metrics import read_metrics
+from opd_cache.ray_actor import prepare_stage_process
 from opd_cache.schema import ANNOTATED, read_shard
 from tests.conftest import REPO
 from tests.test_annotate import config, write_shards
@@ -155,13 +156,6 @@ print("annotated", len(stats.annotated))
 """
 
 
-def ctrl_c_as_in_a_terminal() -> None:
-    """In the child before exec: SIGINT's default handler and no blocked signals, whatever the test process
-    inherited or set up (a background job starts with SIGINT ignored; a blocked mask passes across exec)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
-
-
 def start_slow_holder(store, teacher_path, lease_seconds: float) -> subprocess.Popen:
     """An annotate worker in its own process (FROZEN_WORKER: a teacher call takes 1 s), to stop or interrupt."""
     return subprocess.Popen(
@@ -170,7 +164,8 @@ def start_slow_holder(store, teacher_path, lease_seconds: float) -> subprocess.P
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        preexec_fn=ctrl_c_as_in_a_terminal,
+        # a stage process's start (Ctrl-C works whatever signals the test process blocks or ignores)
+        preexec_fn=prepare_stage_process,
     )
 
 

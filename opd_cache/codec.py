@@ -1,43 +1,51 @@
-"""The `packed` codec of annotated parts: the top-k ids as a set, 8-bit top-k log-probs.
+"""The `packed` codec of annotated parts: the top-k ids as a set, 8-bit top-k log-probs, 16-bit mass and token.
 
 A plain part stores per response position k int32 ids and k float16/float32
 log-probs (389 bytes/token at k = 64 in float16), best first. A packed part
-(codec version 2) may store each position's k entries in ascending id order,
-so the ids form a set and their order costs nothing:
+(codec version 3) stores every per-position field in one struct, so the fields
+share one list offsets buffer:
 
-    teacher_topk_ids_bitmap   list<fixed_size_binary(ceil(V / 8))>     the set as V bits (bit id set), little-endian
-      or teacher_topk_ids_packed  list<fixed_size_binary(ceil(k * b / 8))>  the ids at b = ceil(log2 V) bits (order below)
-    teacher_topk_lp_codes     list<fixed_size_binary(k)>                 one uint8 code per entry, aligned with the ids
-    teacher_topk_log_mass     list<float32>                              log sum_j p_j over the k entries (exact)
-    teacher_topk_range_level  list<uint8>                                the row's quantization range L, a grid level
-      or teacher_topk_log_range   list<float32>                          L itself (a row spans more than 1e6 nats)
-    teacher_token_logprob     list<float32>                              unchanged (exact)
+    sample_id               string
+    teacher_topk_packed     list<struct<
+        ids_bitmap   fixed_size_binary(ceil(V / 8))      the set as V bits (bit id set), little-endian
+          or ids_packed  fixed_size_binary(ceil(k * b / 8))  the ids at b = ceil(log2 V) bits (order below)
+        lp_codes     fixed_size_binary(k)                  one uint8 code per entry, aligned with the ids
+        range_level  uint8                                 the row's quantization range L, a grid level
+          or log_range   float32                           L itself (a row spans more than 1e6 nats)
+        mass_code    int16                                 logit of the top-k mass in steps of 2**-8
+        token_code   uint16                                -log p of the sampled token in steps of 2**-9
+    >>
 
 Each part makes its own choices, and its schema records them: the bitmap when it
 is smaller (ceil(V/8) < ceil(k*b/8) bytes: V = 99, k = 64 takes 13 bytes instead
-of 56) and the ids are distinct, with V in the column's field metadata
+of 56) and the ids are distinct, with V in the field's metadata
 ('opd.vocab_size') so its width is checked; packed ids otherwise, in id or in
 rank order, whichever zstd compresses less (sorted ids repeat across a trained
 teacher's positions; codes rise along a rank-ordered row), recorded in the
 codes' field metadata ('opd.entry_order'). A reader
 restores rank order with one sort of (code << b | id) keys per position (codes
 rise as log-probs fall): every consumer sees entries best first, ties by
-ascending id. The sampled token's log-prob stays exact: the k1/k3 estimators and
-policy-gradient OPD read it, and decoding it from the row (an index instead of
-4 bytes) moved k3's mean loss by 1.4e-3 nats/token on tests/test_codec.py's demo sample.
+ascending id.
 
-Log-probs: 8-bit codes relative to the row's maximum, the tail mass exact (opd_cache/quantize.py has the
-scale and the error bound that tests/test_codec.py checks for every entry).
+The quantizers, their scales and the error bounds that tests/test_codec.py checks for every entry are in
+opd_cache/quantize.py: log-probs as 8-bit codes relative to the row's maximum (gap scale 1 nat), the
+mass so that both log m and the tail log(1 - m) keep ~2**-9 precision, the sampled token's log-prob within
+2**-10 nats (the k1/k3 estimators and policy-gradient OPD read it).
 
 The codec version and the id width live in the part's Arrow metadata; a reader
-refuses versions from the future and packed columns of the wrong width. Version 1
-parts (ids in rank order at b bits, float32 L) decode unchanged: their rows are
-already in rank order, which the sort keeps (ties by ascending id).
+refuses versions from the future and packed fields of the wrong width. Earlier
+versions decode unchanged, with their own gap scale (4) and exact floats:
+version 2 parts have one flat list column per field (`teacher_topk_ids_bitmap` or
+`teacher_topk_ids_packed`, `teacher_topk_lp_codes`, `teacher_topk_log_mass` float32,
+`teacher_topk_range_level` or `teacher_topk_log_range`, `teacher_token_logprob`
+float32); version 1 parts are laid out the same with ids in rank order and float32
+ranges (the sort keeps their order but for ties).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -52,28 +60,24 @@ from opd_cache.columns import (
     ragged_fixed,
 )
 from opd_cache.quantize import (
+    GAP_SCALE,
+    LEGACY_GAP_SCALE,
     TABLE_CHUNK,
     dequantize_chunk,
     dequantize_logprobs,
+    dequantize_mass,
+    dequantize_token_logprob,
     grid_levels,
     quantize_logprobs,
+    quantize_mass,
+    quantize_token_logprob,
 )
 
-CODEC_VERSION = 2  # 1: ids in rank order at b bits, float32 L, exact token log-prob
+CODEC_VERSION = 3  # 1: ids in rank order at b bits, float32 L; 2: flat columns, exact float32 mass and token log-prob
 CODECS = ("none", "packed")
 META_CODEC = "opd.codec"
 META_CODEC_VERSION = "opd.codec_version"
 META_ID_BITS = "opd.codec_id_bits"
-
-# the per-token columns a packed part may hold (opd_cache/schema.py checks that their lengths agree)
-PACKED_COLUMNS = (
-    "teacher_topk_ids_packed",
-    "teacher_topk_ids_bitmap",
-    "teacher_topk_lp_codes",
-    "teacher_topk_log_mass",
-    "teacher_topk_log_range",
-    "teacher_topk_range_level",
-)
 
 
 class CodecError(ShardError):
@@ -186,52 +190,70 @@ def unpack_id_bitmap(bitmap: np.ndarray, k: int, where: str = "bitmap", out: np.
 
 
 # ---------------------------------------------------------------- tables
-IDS_PACKED, IDS_BITMAP = "teacher_topk_ids_packed", "teacher_topk_ids_bitmap"
-META_VOCAB = b"opd.vocab_size"  # field metadata of the bitmap column: V, so its width can be checked
-META_ORDER = b"opd.entry_order"  # field metadata of the codes: "id" or "rank", the order a part stores entries in
+PACKED = "teacher_topk_packed"  # version 3: every per-token field of a packed part in one list<struct> column
+IDS_PACKED, IDS_BITMAP = "ids_packed", "ids_bitmap"  # its id child: k ids at b bits, or the set as V bits
+META_VOCAB = b"opd.vocab_size"  # field metadata of the bitmap child: V, so its width can be checked
+META_ORDER = b"opd.entry_order"  # field metadata of the codes child: "id" or "rank", the order a part stores entries in
+
+# the per-token columns a packed part may hold (opd_cache/schema.py checks that their lengths agree): version 3's
+# one column, and versions 1 and 2's flat columns (read only)
+LEGACY_IDS_PACKED, LEGACY_IDS_BITMAP = "teacher_topk_ids_packed", "teacher_topk_ids_bitmap"
+PACKED_COLUMNS = (
+    PACKED,
+    LEGACY_IDS_PACKED,
+    LEGACY_IDS_BITMAP,
+    "teacher_topk_lp_codes",
+    "teacher_topk_log_mass",
+    "teacher_topk_log_range",
+    "teacher_topk_range_level",
+)
 
 
 def _zstd_size(rows: np.ndarray) -> int:
     return pa.compress(np.ascontiguousarray(rows).reshape(-1), codec="zstd", asbytes=False).size
 
 
-def _ragged_binary(rows: np.ndarray, lengths: np.ndarray) -> pa.ListArray:
-    """A `list<fixed_size_binary(width)>` column from `[total_tokens, width]` uint8 rows and per-row lengths."""
+def _fixed_binary(rows: np.ndarray) -> pa.FixedSizeBinaryArray:
+    """`[N, width]` uint8 rows as one fixed_size_binary(width) array (one copy of the bytes)."""
     rows = np.ascontiguousarray(rows, dtype=np.uint8)
     width = rows.shape[1]
-    inner = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(rows), [None, pa.py_buffer(rows.tobytes())])
-    return pa.ListArray.from_arrays(pa.array(offsets_from_lengths(np.asarray(lengths))), inner)
+    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(rows), [None, pa.py_buffer(rows.tobytes())])
 
 
-def packed_fields(top_k: int, bits: int, *, vocab_size: int = 0, range_levels: bool = True) -> list[pa.Field]:
-    """The columns of a packed part: ids as a bitmap (vocab_size > 0) or packed, row ranges as levels or float32."""
+def packed_struct(top_k: int, bits: int, *, vocab_size: int = 0, range_levels: bool = True) -> pa.StructType:
+    """The per-token struct of a version-3 part: ids as a bitmap (vocab_size > 0) or packed, ranges as levels or
+    float32, the mass and the sampled token's log-prob as opd_cache/quantize.py codes."""
     if vocab_size:
         ids = pa.field(
             IDS_BITMAP,
-            pa.list_(pa.binary(bitmap_width(vocab_size))),
+            pa.binary(bitmap_width(vocab_size)),
             nullable=False,
             metadata={META_VOCAB: str(vocab_size).encode()},
         )
     else:
-        ids = pa.field(IDS_PACKED, pa.list_(pa.binary(packed_id_width(top_k, bits))), nullable=False)
-    fields = [
-        pa.field("sample_id", pa.string(), nullable=False),
-        ids,
-        pa.field("teacher_topk_lp_codes", pa.list_(pa.binary(top_k)), nullable=False),
-        pa.field("teacher_topk_log_mass", pa.list_(pa.float32()), nullable=False),
-    ]
-    if range_levels:
-        fields.append(pa.field("teacher_topk_range_level", pa.list_(pa.uint8()), nullable=False))
-    else:
-        fields.append(pa.field("teacher_topk_log_range", pa.list_(pa.float32()), nullable=False))
-    fields.append(pa.field("teacher_token_logprob", pa.list_(pa.float32()), nullable=False))
-    return fields
+        ids = pa.field(IDS_PACKED, pa.binary(packed_id_width(top_k, bits)), nullable=False)
+    rng = pa.field("range_level", pa.uint8(), nullable=False) if range_levels else pa.field("log_range", pa.float32())
+    return pa.struct(
+        [
+            ids,
+            pa.field("lp_codes", pa.binary(top_k), nullable=False),
+            rng.with_nullable(False),
+            pa.field("mass_code", pa.int16(), nullable=False),
+            pa.field("token_code", pa.uint16(), nullable=False),
+        ]
+    )
+
+
+def packed_fields(top_k: int, bits: int, *, vocab_size: int = 0, range_levels: bool = True) -> list[pa.Field]:
+    """The columns of a version-3 packed part (an optional `teacher_support_logprobs` comes after them)."""
+    struct = packed_struct(top_k, bits, vocab_size=vocab_size, range_levels=range_levels)
+    return [pa.field("sample_id", pa.string(), nullable=False), pa.field(PACKED, pa.list_(struct), nullable=False)]
 
 
 def encode_annotation(table: pa.Table, vocab_size: int) -> tuple[pa.Table, dict[str, str]]:
     """A plain annotated table -> (its packed table, the codec's metadata entries).
 
-    The choices of id layout, entry order and range column are the part's own and show in its schema (module
+    The choices of id layout, entry order and range child are the part's own and show in its schema (module
     docstring).
     """
     bits = id_bits(vocab_size)
@@ -256,32 +278,35 @@ def encode_annotation(table: pa.Table, vocab_size: int) -> tuple[pa.Table, dict[
         ]
         order, id_rows, codes = min(candidates, key=lambda c: _zstd_size(c[1]) + _zstd_size(c[2]))
     range_levels = bool(on_grid.all())
-    fields = packed_fields(k, bits, vocab_size=vocab_size if use_bitmap else 0, range_levels=range_levels)
-    fields[2] = fields[2].with_metadata({META_ORDER: order.encode()})
-    columns = {
-        "sample_id": table["sample_id"],
-        fields[1].name: _ragged_binary(id_rows, lengths),
-        "teacher_topk_lp_codes": _ragged_binary(codes, lengths),
-        "teacher_topk_log_mass": ragged(log_mass, lengths, pa.float32()),
-    }
-    if range_levels:
-        columns["teacher_topk_range_level"] = ragged(level.astype(np.uint8), lengths, pa.uint8())
-    else:
-        columns["teacher_topk_log_range"] = ragged(log_range, lengths, pa.float32())
-    # exact: the k1/k3 estimators and policy-gradient OPD read it (docs/benchmarks.md, Codec: why not an index)
-    columns["teacher_token_logprob"] = table["teacher_token_logprob"]
+    struct = packed_struct(k, bits, vocab_size=vocab_size if use_bitmap else 0, range_levels=range_levels)
+    code_field = struct.field("lp_codes").with_metadata({META_ORDER: order.encode()})
+    struct = pa.struct([code_field if f.name == "lp_codes" else f for f in struct])
+    children = [
+        _fixed_binary(id_rows),
+        _fixed_binary(codes),
+        pa.array(level.astype(np.uint8)) if range_levels else pa.array(log_range, pa.float32()),
+        pa.array(quantize_mass(log_mass)),
+        pa.array(quantize_token_logprob(flat_values(table["teacher_token_logprob"]))),
+    ]
+    per_token = pa.StructArray.from_arrays(children, fields=list(struct))
+    fields = [pa.field("sample_id", pa.string(), nullable=False), pa.field(PACKED, pa.list_(struct), nullable=False)]
+    columns = [
+        table["sample_id"],
+        pa.ListArray.from_arrays(pa.array(offsets_from_lengths(lengths)), per_token),
+    ]
     if "teacher_support_logprobs" in table.schema.names:
-        columns["teacher_support_logprobs"] = table["teacher_support_logprobs"]
+        columns.append(table["teacher_support_logprobs"])
         fields.append(table.schema.field("teacher_support_logprobs"))
     meta = {META_CODEC: "packed", META_CODEC_VERSION: str(CODEC_VERSION), META_ID_BITS: str(bits)}
     return pa.table(columns, schema=pa.schema(fields)), meta
 
 
-def codec_of(metadata: dict[str, str], where: str) -> tuple[str, int]:
-    """(codec name, id bits) from decoded Arrow metadata; refuses unknown codecs and versions from the future."""
+def codec_of(metadata: dict[str, str], where: str) -> tuple[str, int, int]:
+    """(codec name, id bits, codec version) from decoded Arrow metadata; refuses unknown codecs and versions from
+    the future."""
     codec = metadata.get(META_CODEC, "none")
     if codec == "none":
-        return "none", 0
+        return "none", 0, 0
     if codec != "packed":
         raise CodecError(f"{where}: unknown annotation codec {codec!r} (this opd_cache reads {', '.join(CODECS)})")
     version = int(metadata.get(META_CODEC_VERSION, "-1"))
@@ -295,69 +320,161 @@ def codec_of(metadata: dict[str, str], where: str) -> tuple[str, int]:
     bits = int(metadata.get(META_ID_BITS, "0"))
     if not 1 <= bits <= 32:
         raise CodecError(f"{where}: packed codec id width {bits} bits is not in 1..32")
-    return codec, bits
+    return codec, bits, version
 
 
-def _layout_of(table: pa.Table, top_k: int, bits: int, where: str) -> list[pa.Field]:
-    """The packed fields this table's own choices (id layout, range and token columns) call for."""
+def _vocab_of(field: pa.Field, bits: int, where: str) -> int:
+    vocab = (field.metadata or {}).get(META_VOCAB)
+    if vocab is None or not vocab.isdigit() or not 1 <= int(vocab) <= 1 << bits:
+        raise CodecError(f"{where}: packed column {field.name!r} has no valid '{META_VOCAB.decode()}' metadata")
+    return int(vocab)
+
+
+def _expected_fields(table: pa.Table, top_k: int, bits: int, version: int, where: str) -> list[pa.Field]:
+    """The packed fields this table's own choices (id layout, range child or column) call for."""
+    if version >= 3:
+        got = table.schema.field(PACKED).type if PACKED in table.schema.names else None
+        struct = got.value_type if got is not None and pa.types.is_list(got) else None
+        if struct is None or not pa.types.is_struct(struct):
+            raise CodecError(f"{where}: packed part (codec version {version}) has no list<struct> column {PACKED!r}")
+        names = [f.name for f in struct]
+        vocab = _vocab_of(struct.field(IDS_BITMAP), bits, where) if IDS_BITMAP in names else 0
+        return packed_fields(top_k, bits, vocab_size=vocab, range_levels="log_range" not in names)
     names = table.schema.names
-    vocab_size = 0
-    if IDS_BITMAP in names:
-        vocab = (table.schema.field(IDS_BITMAP).metadata or {}).get(META_VOCAB)
-        if vocab is None or not vocab.isdigit() or not 1 <= int(vocab) <= 1 << bits:
-            raise CodecError(f"{where}: packed column {IDS_BITMAP!r} has no valid '{META_VOCAB.decode()}' metadata")
-        vocab_size = int(vocab)
-    return packed_fields(
-        top_k,
-        bits,
-        vocab_size=vocab_size,
-        range_levels="teacher_topk_log_range" not in names,
+    vocab = _vocab_of(table.schema.field(LEGACY_IDS_BITMAP), bits, where) if LEGACY_IDS_BITMAP in names else 0
+    return _legacy_fields(top_k, bits, vocab_size=vocab, range_levels="teacher_topk_log_range" not in names)
+
+
+def _legacy_fields(top_k: int, bits: int, *, vocab_size: int, range_levels: bool) -> list[pa.Field]:
+    """The flat columns of a version 1 or 2 part (read only): the same fields, one list column each, and the
+    sampled token's and the mass's exact float32 log-probs."""
+    ids = (
+        pa.field(LEGACY_IDS_BITMAP, pa.list_(pa.binary(bitmap_width(vocab_size))))
+        if vocab_size
+        else pa.field(LEGACY_IDS_PACKED, pa.list_(pa.binary(packed_id_width(top_k, bits))))
     )
+    rng = ("teacher_topk_range_level", pa.uint8()) if range_levels else ("teacher_topk_log_range", pa.float32())
+    return [
+        pa.field("sample_id", pa.string()),
+        ids,
+        pa.field("teacher_topk_lp_codes", pa.list_(pa.binary(top_k))),
+        pa.field("teacher_topk_log_mass", pa.list_(pa.float32())),
+        pa.field(rng[0], pa.list_(rng[1])),
+        pa.field("teacher_token_logprob", pa.list_(pa.float32())),
+    ]
 
 
-def check_packed(table: pa.Table, top_k: int, bits: int, where: str) -> None:
-    """Column types and widths of a packed part; a truncated column is refused with its expected width."""
-    for field in _layout_of(table, top_k, bits, where):
+def _truncation(name: str, got: pa.DataType, want: pa.DataType, top_k: int, bits: int, where: str) -> str | None:
+    """A one-line message when a fixed-size binary field has the wrong width (a truncated part), else None."""
+    got = got.value_type if pa.types.is_list(got) else got
+    want = want.value_type if pa.types.is_list(want) else want
+    if pa.types.is_fixed_size_binary(got) and pa.types.is_fixed_size_binary(want) and got != want:
+        return (
+            f"{where}: packed column {name!r} is truncated: {got.byte_width} bytes per position, expected "
+            f"{want.byte_width} (k={top_k}, {bits}-bit ids)"
+        )
+    return None
+
+
+def check_packed(table: pa.Table, top_k: int, bits: int, where: str, version: int = CODEC_VERSION) -> None:
+    """Column types and widths of a packed part; a truncated field is refused with its expected width."""
+    for field in _expected_fields(table, top_k, bits, version, where):
         if field.name not in table.schema.names:
             raise CodecError(f"{where}: packed part is missing column {field.name!r} ({field.type})")
         got = table.schema.field(field.name).type
-        if got != field.type:
-            if pa.types.is_list(got) and pa.types.is_fixed_size_binary(got.value_type):
-                raise CodecError(
-                    f"{where}: packed column {field.name!r} is truncated: "
-                    f"{got.value_type.byte_width} bytes per position, expected "
-                    f"{field.type.value_type.byte_width} (k={top_k}, {bits}-bit ids)"
-                )
-            raise CodecError(f"{where}: packed column {field.name!r} has type {got}, expected {field.type}")
+        if got == field.type:
+            continue
+        message = _truncation(field.name, got, field.type, top_k, bits, where)
+        if message is None and field.name == PACKED and pa.types.is_struct(got.value_type):
+            for want_child in field.type.value_type:
+                got_struct = got.value_type
+                if got_struct.get_field_index(want_child.name) < 0:
+                    continue
+                child = got_struct.field(want_child.name)
+                message = _truncation(f"{PACKED}.{child.name}", child.type, want_child.type, top_k, bits, where)
+                if message:
+                    break
+        raise CodecError(message or f"{where}: packed column {field.name!r} has type {got}, expected {field.type}")
 
 
-def _binary_rows(column: pa.ChunkedArray, width: int) -> np.ndarray:
-    """All fixed-size binary values of a `list<fixed_size_binary(width)>` column as `[N, width]` uint8."""
+def _binary_rows(array: pa.Array, width: int) -> np.ndarray:
+    """The values of a fixed_size_binary(width) array as `[N, width]` uint8 (no copy)."""
+    data = np.frombuffer(array.buffers()[1], dtype=np.uint8)
+    start = array.offset * width
+    return data[start : start + len(array) * width].reshape(-1, width)
+
+
+def _list_values(column: pa.ChunkedArray) -> pa.Array:
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    inner = array.flatten()
-    data = np.frombuffer(inner.buffers()[1], dtype=np.uint8)
-    start = inner.offset * width
-    return data[start : start + len(inner) * width].reshape(-1, width)
+    return array.flatten()
 
 
-def decode_annotation(table: pa.Table, top_k: int, bits: int, where: str = "packed part") -> pa.Table:
+class _Stored(NamedTuple):
+    """A packed part's per-token fields as arrays, whichever version laid them out."""
+
+    ids: pa.FixedSizeBinaryArray
+    bitmap: bool
+    codes: np.ndarray  # [N, k] uint8, in the part's entry order
+    log_mass: np.ndarray  # [N] float32
+    range_level: np.ndarray | None  # [N] uint8, or None when the part keeps float32 ranges
+    log_range: np.ndarray | None
+    token_logprob: pa.Array  # list<float32>, the plain column
+    gap_scale: float
+
+
+def _stored_fields(table: pa.Table, top_k: int, version: int) -> _Stored:
+    lengths = None
+    if version >= 3:
+        column = table[PACKED].combine_chunks()
+        lengths = list_lengths(column)
+        per_token = column.flatten()  # the struct's rows of this part, offsets applied
+        child = dict(zip([f.name for f in per_token.type], per_token.flatten(), strict=True))
+        bitmap = IDS_BITMAP in child
+        token_lp = dequantize_token_logprob(child["token_code"].to_numpy(zero_copy_only=False))
+        return _Stored(
+            ids=child[IDS_BITMAP if bitmap else IDS_PACKED],
+            bitmap=bitmap,
+            codes=_binary_rows(child["lp_codes"], top_k),
+            log_mass=dequantize_mass(child["mass_code"].to_numpy(zero_copy_only=False)),
+            range_level=child["range_level"].to_numpy(zero_copy_only=False) if "range_level" in child else None,
+            log_range=child["log_range"].to_numpy(zero_copy_only=False) if "log_range" in child else None,
+            token_logprob=ragged(token_lp, lengths, pa.float32()),
+            gap_scale=GAP_SCALE,
+        )
+    names = table.schema.names
+    bitmap = LEGACY_IDS_BITMAP in names
+    return _Stored(
+        ids=_list_values(table[LEGACY_IDS_BITMAP if bitmap else LEGACY_IDS_PACKED]),
+        bitmap=bitmap,
+        codes=_binary_rows(_list_values(table["teacher_topk_lp_codes"]), top_k),
+        log_mass=flat_values(table["teacher_topk_log_mass"]),
+        range_level=flat_values(table["teacher_topk_range_level"]) if "teacher_topk_range_level" in names else None,
+        log_range=flat_values(table["teacher_topk_log_range"]) if "teacher_topk_log_range" in names else None,
+        token_logprob=table["teacher_token_logprob"],
+        gap_scale=LEGACY_GAP_SCALE,
+    )
+
+
+def decode_annotation(
+    table: pa.Table, top_k: int, bits: int, where: str = "packed part", version: int = CODEC_VERSION
+) -> pa.Table:
     """A packed part -> the plain columns (`teacher_topk_ids` int32, `teacher_topk_logprobs` float32, ...).
 
     Each row's entries come back in rank order, best first (ties by ascending id), as a plain part has them.
     """
-    lengths = list_lengths(table["teacher_token_logprob"])
-    fields = {f.name: f for f in _layout_of(table, top_k, bits, where)}
-    codes = _binary_rows(table["teacher_topk_lp_codes"], top_k)
-    n = len(codes)
-    if IDS_BITMAP in fields:
-        width = fields[IDS_BITMAP].type.value_type.byte_width
-        id_rows = _binary_rows(table[IDS_BITMAP], width)
+    _expected_fields(table, top_k, bits, version, where)  # (checks the bitmap's V)
+    stored = _stored_fields(table, top_k, version)
+    n = len(stored.codes)
+    lengths = list_lengths(stored.token_logprob)
+    if stored.bitmap:
+        width = stored.ids.type.byte_width
+        id_rows = _binary_rows(stored.ids, width)
         key_bits = max(1, (8 * width - 1).bit_length())
 
         def unpack(rows, out):
             unpack_id_bitmap(id_rows[rows], top_k, where, out=out)
     else:
-        id_rows = _binary_rows(table[IDS_PACKED], packed_id_width(top_k, bits))
+        id_rows = _binary_rows(stored.ids, packed_id_width(top_k, bits))
         key_bits = bits
 
         def unpack(rows, out):
@@ -365,18 +482,15 @@ def decode_annotation(table: pa.Table, top_k: int, bits: int, where: str = "pack
 
     key_type = np.uint16 if key_bits <= 8 else np.uint32 if key_bits <= 24 else np.uint64
     id_mask = key_type((1 << key_bits) - 1)
-    log_mass = flat_values(table["teacher_topk_log_mass"])
-    if "teacher_topk_range_level" in fields:
-        level_base = flat_values(table["teacher_topk_range_level"]).astype(np.uint16) << np.uint16(8)
-    else:
-        log_range = flat_values(table["teacher_topk_log_range"])
+    if stored.range_level is not None:
+        level_base = stored.range_level.astype(np.uint16) << np.uint16(8)
     ids = np.empty((n, top_k), dtype=np.int32)
     logprobs = np.empty((n, top_k), dtype=np.float32)
     key_buffer = np.empty((min(n, TABLE_CHUNK), top_k), dtype=key_type)
     # TABLE_CHUNK positions at a time, every step on arrays that stay in cache
     for start in range(0, n, TABLE_CHUNK):
         rows = slice(start, start + TABLE_CHUNK)
-        chunk_codes = codes[rows]
+        chunk_codes = stored.codes[rows]
         # Rank order: sort each position's (code, id) keys. Codes rise as log-probs fall, so the sorted keys hold
         # the entries best first, ties by ascending id. (Version-1 parts, stored in rank order, stay as they are
         # but for the order of ties.)
@@ -386,15 +500,17 @@ def decode_annotation(table: pa.Table, top_k: int, bits: int, where: str = "pack
         keys.sort(axis=1)
         ranked_codes = (keys >> key_type(key_bits)).astype(np.uint8)
         np.bitwise_and(keys, id_mask, out=ids[rows], casting="unsafe")
-        if "teacher_topk_range_level" in fields:
-            dequantize_chunk(ranked_codes, log_mass[rows], level_base[rows], logprobs[rows])
+        if stored.range_level is not None:
+            dequantize_chunk(ranked_codes, stored.log_mass[rows], level_base[rows], logprobs[rows], stored.gap_scale)
         else:
-            logprobs[rows] = dequantize_logprobs(ranked_codes, log_mass[rows], log_range[rows])
+            logprobs[rows] = dequantize_logprobs(
+                ranked_codes, stored.log_mass[rows], stored.log_range[rows], stored.gap_scale
+            )
     columns = {
         "sample_id": table["sample_id"],
         "teacher_topk_ids": ragged_fixed(ids, lengths, pa.int32()),
         "teacher_topk_logprobs": ragged_fixed(logprobs, lengths, pa.float32()),
-        "teacher_token_logprob": table["teacher_token_logprob"],
+        "teacher_token_logprob": stored.token_logprob,
     }
     support_k = 0
     if "teacher_support_logprobs" in table.schema.names:

@@ -130,7 +130,7 @@ class AnnotateConfig(Section):
     )
     codec: Literal["none", "packed"] = Field(
         "none",
-        description='"packed": ids bit-packed at ceil(log2 V) bits, log-probs as 8-bit codes, tail mass exact (docs/annotate.md)',
+        description='"packed": ids as a bitmap or bit-packed at ceil(log2 V) bits, log-probs as 8-bit codes, the top-k mass and the sampled token log-prob as 16-bit codes (docs/annotate.md)',
     )
     routing_key: str = Field(
         "data_source", description="the rollout column whose value picks the teacher of a row (see routing)"

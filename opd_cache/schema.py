@@ -93,6 +93,12 @@ class ShardMeta:
     schema_version: int = SCHEMA_VERSION
     codec: str = "none"  # annotated parts: "none" (plain columns) | "packed" (opd_cache/codec.py)
     codec_id_bits: int = 0  # packed: bits per top-k id
+    codec_version: int = 0  # packed: the layout's version (0: this opd_cache's codec.CODEC_VERSION when written)
+
+    @property
+    def packed_version(self) -> int:
+        """The packed layout's version: as read, or this opd_cache's when the meta is new."""
+        return self.codec_version or codec.CODEC_VERSION
 
     def to_metadata(self) -> dict[bytes, bytes]:
         meta = {
@@ -120,7 +126,7 @@ class ShardMeta:
             meta.update(
                 {
                     codec.META_CODEC: self.codec,
-                    codec.META_CODEC_VERSION: str(codec.CODEC_VERSION),
+                    codec.META_CODEC_VERSION: str(self.packed_version),
                     codec.META_ID_BITS: str(self.codec_id_bits),
                 }
             )
@@ -134,7 +140,7 @@ class ShardMeta:
         version = int(meta.get(META_SCHEMA_VERSION, "-1"))
         if version != SCHEMA_VERSION:
             raise ShardError(f"{where}: schema version {version}, this opd_cache reads version {SCHEMA_VERSION}")
-        codec_name, codec_id_bits = codec.codec_of(meta, where)
+        codec_name, codec_id_bits, codec_version = codec.codec_of(meta, where)
         return cls(
             kind=meta[META_KIND],
             run_id=meta.get(META_RUN_ID, ""),
@@ -150,6 +156,7 @@ class ShardMeta:
             schema_version=version,
             codec=codec_name,
             codec_id_bits=codec_id_bits,
+            codec_version=codec_version,
         )
 
 
@@ -207,7 +214,7 @@ def read_shard(
             raise ShardError(f"{where}: written with tokenizer {meta.tokenizer_fingerprint!r}, this run uses {fp!r}")
     validate_table(table, meta, where=where)
     if meta.codec == "packed":  # every reader (trainer, export, inspect) gets the plain columns
-        table = codec.decode_annotation(table, meta.top_k, meta.codec_id_bits)
+        table = codec.decode_annotation(table, meta.top_k, meta.codec_id_bits, where, meta.packed_version)
     return table, meta
 
 
@@ -219,10 +226,9 @@ def validate_table(table: pa.Table, meta: ShardMeta, where: str) -> None:
         if not meta.top_k:
             raise ShardError(f"{where}: annotated shard without '{META_TOP_K}' metadata")
         if meta.codec == "packed":
-            codec.check_packed(table, meta.top_k, meta.codec_id_bits, where)
-            _check_same_lengths(
-                table, "teacher_token_logprob", [*codec.PACKED_COLUMNS, "teacher_support_logprobs"], where
-            )
+            codec.check_packed(table, meta.top_k, meta.codec_id_bits, where, meta.packed_version)
+            reference = codec.PACKED if codec.PACKED in table.schema.names else "teacher_token_logprob"
+            _check_same_lengths(table, reference, [*codec.PACKED_COLUMNS, "teacher_support_logprobs"], where)
             return
         lp_type = (
             table.schema.field("teacher_topk_logprobs").type if "teacher_topk_logprobs" in table.schema.names else None

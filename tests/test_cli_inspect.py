@@ -186,3 +186,11 @@ def test_inspect_of_a_directory_says_so(tmp_path):
     out = opd("inspect", str(tmp_path))
     assert out.returncode == 2 and f"{tmp_path} is a directory, not an Arrow shard" in " ".join(out.stderr.split())
     assert "Traceback" not in out.stderr
+
+
+def test_version_ranges_stay_one_short_line_for_a_long_run():
+    from opd_cache.cli.inspect import _ranges
+
+    assert _ranges([0, 1, 2, 5]) == "0-2, 5"
+    every_other = list(range(0, 800, 2))  # a long run's annotations skip versions
+    assert _ranges(every_other) == "0, 2, 4, 6, …, 792, 794, 796, 798 (400 versions in 400 ranges)"

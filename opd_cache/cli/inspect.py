@@ -120,7 +120,9 @@ def summarize_store(store: Store, on_file=None) -> dict:
             t["bytes"] += store.fs.get_file_info(store.path(rel)).size
             t["decoded_bytes"] += part.nbytes
             t["top_k"].add(meta.top_k)
-            t["codec"].add(meta.codec)  # the annotation codec (annotate.codec): none or packed
+            t["codec"].add(
+                meta.codec if meta.codec == "none" else f"{meta.codec} v{meta.packed_version}"
+            )  # annotate.codec
             t["topk_logprob_dtype"].add(np.dtype(lp.value_type.to_pandas_dtype()).name)
             t["policy_versions"].add(shard.policy_version)
             stored = {k.decode(): v.decode() for k, v in (part.schema.metadata or {}).items()}
@@ -197,8 +199,12 @@ def print_store_summary(summary: dict) -> None:
         )
 
 
-def _ranges(values: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'."""
+def _ranges(values: list[int], shown: int = 8) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'; past `shown` ranges, the first and last few and a count (--json lists all).
+
+    A long run's annotations skip versions irregularly (a shard per step, expired ones never annotated), which
+    would print hundreds of ranges.
+    """
     out, start = [], None
     for i, v in enumerate(values):
         if start is None:
@@ -206,6 +212,9 @@ def _ranges(values: list[int]) -> str:
         if i + 1 == len(values) or values[i + 1] != v + 1:
             out.append(str(start) if start == v else f"{start}-{v}")
             start = None
+    if len(out) > shown:
+        half = shown // 2
+        return f"{', '.join(out[:half])}, …, {', '.join(out[-half:])} ({len(values)} versions in {len(out)} ranges)"
     return ", ".join(out)
 
 

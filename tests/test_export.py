@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -93,6 +94,38 @@ def store_hashes(store: Store) -> dict[str, str]:
     }
 
 
+def packed_copy(source: Store, dst: Path, damage=None) -> Store:
+    """`source` copied with every annotated part re-encoded by the packed codec (as `annotate.codec: packed`
+    writes it); `damage(table, meta)` may change the first part before it is written, bypassing validation."""
+    import dataclasses
+
+    import pyarrow as pa
+
+    from opd_cache import codec, schema
+
+    shutil.copytree(source.root, dst)
+    store = Store(dst)
+    vocab = store.require_run().vocab_size
+    first = True
+    for shard in store.list_rollout_shards():
+        for teacher in ("tA", "tB"):
+            rel = store.annotated_path(shard.shard_id, teacher)
+            plain, meta = read_shard(store, rel)
+            table, codec_meta = codec.encode_annotation(plain, vocab)
+            meta = dataclasses.replace(meta, codec="packed", codec_id_bits=int(codec_meta[codec.META_ID_BITS]))
+            if damage is not None and first:
+                table, meta = damage(table, meta, pa)
+                first = False
+                validate, schema.validate_table = schema.validate_table, lambda *a, **kw: None
+                try:
+                    schema.write_shard(store, rel, table, meta)
+                finally:
+                    schema.validate_table = validate
+                continue
+            schema.write_shard(store, rel, table, meta)
+    return store
+
+
 def expected_rows(store: Store, teacher: str, tokenizer) -> list[dict]:
     """What the export must hold for `teacher`, built directly from the shards (rollout order, shard order)."""
     rows = []
@@ -160,6 +193,23 @@ def test_parquet_export_equals_the_shards_in_datasets_polars_and_duckdb(annotate
         n, first_top = con.execute(f"select count(*), sum(teacher_topk_ids[1][1]) from '{path}'").fetchone()
         assert n == len(expected)
         assert first_top == sum(r["teacher_topk_ids"][0][0] for r in expected)
+
+
+def test_a_packed_store_exports_its_decoded_annotations(annotated_store, tmp_path, tokenizer):
+    """`annotate.codec: packed` parts export as float32 columns, the values every reader decodes."""
+    import datasets
+
+    packed = packed_copy(annotated_store, tmp_path / "packed")
+    out = opd("export", packed.uri, "--to", str(tmp_path / "out"))
+    assert out.returncode == 0, out.output
+    for teacher in ("tA", "tB"):
+        expected = expected_rows(packed, teacher, tokenizer)
+        plain = expected_rows(annotated_store, teacher, tokenizer)
+        assert [r["teacher_topk_logprobs"] for r in expected] != [r["teacher_topk_logprobs"] for r in plain]  # coded
+        got = datasets.load_dataset("parquet", data_files=str(tmp_path / "out" / f"{teacher}.parquet"), split="train")
+        assert got.to_list() == expected
+    out = opd("inspect", packed.uri)
+    assert out.returncode == 0 and "codec packed v3" in out.stdout
 
 
 def test_arrow_export_loads_like_the_parquet_one(annotated_store, tmp_path, tokenizer):

@@ -14,7 +14,7 @@ from opd_cache.schema import read_shard
 from opd_cache.store import Store
 from opd_cache.train.checkpoint import read_ledger
 from tests.test_cli_inspect import opd
-from tests.test_export import annotated_store, store_hashes  # noqa: F401  (the module-scoped source store)
+from tests.test_export import annotated_store, packed_copy, store_hashes  # noqa: F401  (the module-scoped source store)
 
 
 def replay(src: list[Store], dst: Path, *extra: str, max_steps: str | None = "100"):
@@ -302,3 +302,48 @@ def test_replay_weights_rows_by_truncated_importance_from_the_stored_behavior_lo
     assert 0 < np.mean(clipped) < 1  # the cap truncated some tokens and not others
     np.testing.assert_allclose(record["importance_weight"], np.mean(weights), rtol=1e-4)
     np.testing.assert_allclose(record["importance_clipped"], np.mean(clipped), rtol=1e-6)
+
+
+def from_the_future(table, meta, pa):
+    import dataclasses
+
+    return table, dataclasses.replace(meta, codec_version=99)
+
+
+def truncated_codes(table, meta, pa):
+    import numpy as np
+
+    from opd_cache import codec
+
+    column = table[codec.PACKED].combine_chunks()
+    per_token = column.flatten()
+    fields, arrays = list(per_token.type), per_token.flatten()
+    i = [f.name for f in fields].index("lp_codes")
+    width = fields[i].type.byte_width
+    cut = np.frombuffer(arrays[i].buffers()[1], dtype=np.uint8).reshape(-1, width)[:, :-1]
+    arrays[i] = pa.FixedSizeBinaryArray.from_buffers(
+        pa.binary(width - 1), len(cut), [None, pa.py_buffer(cut.tobytes())]
+    )
+    fields[i] = fields[i].with_type(arrays[i].type)
+    truncated = pa.ListArray.from_arrays(column.offsets, pa.StructArray.from_arrays(arrays, fields=fields))
+    return table.set_column(1, table.schema.field(codec.PACKED).with_type(truncated.type), truncated), meta
+
+
+def test_replay_reads_packed_parts_and_refuses_damaged_ones_in_one_line(annotated_store, tmp_path):
+    packed = packed_copy(annotated_store, tmp_path / "packed")
+    before = store_hashes(packed)
+    out = replay([packed], tmp_path / "dst", "--epochs", "1", max_steps=None)
+    assert out.returncode == 0, out.stderr
+    assert sorted(sid for _, sid in ledger_rows(tmp_path / "dst")) == sorted(sample_ids(annotated_store))
+    assert store_hashes(packed) == before
+
+    for name, damage, message in (
+        ("future", from_the_future, "packed codec version 99 is newer than this opd_cache reads (version 3)"),
+        ("truncated", truncated_codes, "packed column 'teacher_topk_packed.lp_codes' is truncated: 3 bytes per"),
+    ):
+        source = packed_copy(annotated_store, tmp_path / name, damage)
+        out = replay([source], tmp_path / f"dst-{name}", max_steps=None)
+        assert out.returncode == 2, (name, out.returncode, out.stderr[-2000:])
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and message in " ".join(out.stderr.split()), (name, out.stderr)
+        assert not (tmp_path / f"dst-{name}").exists()

@@ -1,12 +1,12 @@
 """The `packed` annotation codec vs float16/float32 parts: bytes per token, loss error, encode/decode speed.
 
-    python benchmarks/bench_codec.py            # 256 demo prompts, k in {8, 32, 64}
+    python benchmarks/bench_codec.py            # 400 demo prompts x 4 samples, k in {8, 32, 64}
     python benchmarks/bench_codec.py --quick    # a smoke run
 
 Annotations are a *trained* teacher's: the shipped demo teacher (data/models/teacher)
-scoring the demo student's own samples (data/models/student, temperature 1) on
-data/arithmetic prompts; the distribution is peaked (median top-1 p > 0.9),
-which is the hard case for quantized log-probs.
+scoring the demo student's own samples (data/models/student, temperature 1, --samples
+per prompt) on the held-out data/arithmetic prompts; the distribution is peaked
+(median top-1 p > 0.9), which is the hard case for quantized log-probs.
 
 (a) Bytes per response token of one annotated part as stored (Arrow IPC
     stream, every column and the framing, as `write_shard` writes it), for
@@ -14,12 +14,12 @@ which is the hard case for quantized log-probs.
     (7-bit ids, a 13-byte bitmap); the rows "packed@V" re-pack the same parts
     with random ids drawn within V = 49152 (SmolLM2) and 151936 (Qwen) to show
     the id cost at real vocabularies (random ids barely compress, so this is a
-    worst case). Then the packed part's bytes per column (zstd).
+    worst case). Then the packed part's bytes per field (zstd, each alone).
 
 (b) Loss error vs float32: |mean_t loss_packed - mean_t loss_f32| (the
-    quantity the trainer's token-mean optimises) and the mean per-token
-    |difference|, for forward KL (tail bucket), reverse KL and JSD, with the
-    demo student's logits.
+    quantity the trainer's token-mean optimises), its standard error, and the
+    mean per-token |difference|, for forward KL (tail bucket), reverse KL, JSD
+    and the k3 estimator of the sampled token, with the demo student's logits.
 
 (c) Throughput in tokens/s on the annotations tiled to --tokens positions:
     encode (plain table -> packed table) and decode (packed -> plain columns,
@@ -61,15 +61,33 @@ K_VALUES = (8, 32, 64)
 
 
 @torch.inference_mode()
-def demo_outputs(num_prompts: int, max_new_tokens: int, seed: int):
-    """(teacher log-probs [T, V], student logits [T, V], response lengths) on the demo student's samples."""
+def demo_outputs(num_prompts: int, max_new_tokens: int, seed: int, part_rows: int):
+    """(teacher log-probs [T, V], student logits [T, V], the sampled tokens' teacher log-probs [T], the sampled
+    tokens [T], response lengths [rows]) on one demo-student sample per prompt, `part_rows` prompts at a time.
+
+    Prompts: the 400 held-out ones (data/arithmetic/test), then training prompts up to num_prompts, every one
+    distinct (a prompt sampled twice often repeats its response, which zstd would find and flatter).
+    """
     tok = load_tokenizer(str(ROOT / "data/models/student"))
     student = load_causal_lm(ROOT / "data/models/student").eval()
     teacher = load_causal_lm(ROOT / "data/models/teacher").eval()
-    prompts = pq.read_table(ROOT / "data/arithmetic/test.parquet").column("prompt").to_pylist()[:num_prompts]
+    prompts = [
+        p
+        for split in ("test", "train")
+        for p in pq.read_table(ROOT / f"data/arithmetic/{split}.parquet")["prompt"].to_pylist()
+    ]
+    prompts = list({json.dumps(p, sort_keys=True): p for p in prompts}.values())[:num_prompts]
+    torch.manual_seed(seed)
+    outputs = [
+        _demo_sample(tok, student, teacher, prompts[i : i + part_rows], max_new_tokens)
+        for i in range(0, len(prompts), part_rows)
+    ]
+    return (*(torch.cat([o[i] for o in outputs]) for i in range(4)), np.concatenate([o[4] for o in outputs]))
+
+
+def _demo_sample(tok, student, teacher, prompts: list, max_new_tokens: int):
     texts = tok.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)
     batch = tok(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    torch.manual_seed(seed)
     out = student.generate(**batch, do_sample=True, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id)
     prompt_len = batch["input_ids"].shape[1]
     response = out[:, prompt_len:]
@@ -81,7 +99,7 @@ def demo_outputs(num_prompts: int, max_new_tokens: int, seed: int):
     t_lp = torch.log_softmax(teacher(input_ids=out, attention_mask=mask).logits[:, prompt_len - 1 : -1].float(), -1)
     s_logits = student(input_ids=out, attention_mask=mask).logits[:, prompt_len - 1 : -1].float()
     sampled_lp = t_lp.gather(2, response[..., None])[..., 0]
-    return t_lp[keep], s_logits[keep], sampled_lp[keep], lengths.numpy()
+    return t_lp[keep], s_logits[keep], sampled_lp[keep], response[keep], lengths.numpy()
 
 
 def ipc_bytes(table: pa.Table, compression: str | None) -> int:
@@ -100,25 +118,59 @@ def best_seconds(fn, rounds: int) -> float:
     return min(times)
 
 
-def loss_errors(student_logits, ref_ids, ref_lp, got_ids, got_lp) -> dict:
-    """Per divergence, the loss from (got_ids, got_lp) vs from (ref_ids, ref_lp): each its own ids, since a packed
-    part's rows come back in rank order with ties by id, not necessarily in the reference's order."""
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "k3")
+
+
+def loss_errors(student_logits, sampled, ref, got) -> dict:
+    """Per divergence, the loss from `got` = (ids, top-k log-probs, sampled token's log-prob) vs from `ref`: each
+    with its own ids, since a packed part's rows come back in rank order with ties by id, not necessarily in the
+    reference's order."""
     out = {}
-    for divergence in ("forward_kl", "reverse_kl", "jsd"):
+    for divergence in DIVERGENCES:
         config = LossConfig(divergence=divergence, tail="bucket")
-        ref = token_losses(student_logits, ref_ids, ref_lp, config).double()
-        got = token_losses(student_logits, got_ids, got_lp, config).double()
+        ref_loss, got_loss = (
+            token_losses(student_logits, ids, lp, config, sampled_ids=sampled, teacher_token_logprobs=token).double()
+            for ids, lp, token in (ref, got)
+        )
+        error = got_loss - ref_loss
         out[divergence] = {
-            "mean_loss": ref.mean().item(),
-            "mean_error": (got.mean() - ref.mean()).abs().item(),
-            "per_token_error": (got - ref).abs().mean().item(),
+            "mean_loss": ref_loss.mean().item(),
+            "mean_error": error.mean().abs().item(),
+            "mean_error_stderr": (error.std() / len(error) ** 0.5).item(),
+            "per_token_error": error.abs().mean().item(),
         }
     return out
 
 
+def part_tables(sample_ids, lengths, ids, lp, token_lp, vocab: int, wide_ids: dict) -> dict[str, pa.Table]:
+    """One part's tables in every format: float32, float16, packed, and float16/packed with `wide_ids` (random ids
+    within a real vocabulary) in place of the demo's."""
+
+    def plain(topk_ids, dtype="float32"):
+        return annotated_table(
+            sample_ids=sample_ids,
+            lengths=lengths,
+            topk_ids=topk_ids,
+            topk_logprobs=lp,
+            token_logprob=token_lp,
+            logprob_dtype=dtype,
+        )
+
+    tables = {
+        "float32": plain(ids),
+        "float16": plain(ids, "float16"),
+        "packed": codec.encode_annotation(plain(ids), vocab)[0],
+    }
+    for v, wide in wide_ids.items():
+        tables[f"packed@V={v}"] = codec.encode_annotation(plain(wide), v)[0]
+        tables[f"float16@V={v}"] = plain(wide, "float16")
+    return tables
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--prompts", type=int, default=1536, help="distinct prompts: the 400 held-out, then training")
+    parser.add_argument("--part-rows", type=int, default=256, help="rows per annotated part (bytes are per part)")
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=200_000, help="positions for the throughput rounds")
     parser.add_argument("--rounds", type=int, default=5)
@@ -126,10 +178,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
-        args.prompts, args.tokens, args.rounds = 32, 20_000, 1
+        args.prompts, args.tokens, args.rounds = 64, 20_000, 1
     torch.set_num_threads(1)
 
-    t_lp, s_logits, sampled_lp, lengths = demo_outputs(args.prompts, args.max_new_tokens, args.seed)
+    t_lp, s_logits, sampled_lp, sampled, lengths = demo_outputs(
+        args.prompts, args.max_new_tokens, args.seed, args.part_rows
+    )
     tokens, vocab = t_lp.shape
     top1 = t_lp.exp().max(-1).values
     print(f"demo teacher on {tokens} student tokens (V={vocab}); median top-1 p = {top1.median():.3f}")
@@ -138,70 +192,58 @@ def main() -> None:
 
     storage, columns, errors, speed = [], {}, {}, {}
     load_before = os.getloadavg()
+    row_ends = np.cumsum(lengths)
+    parts = [  # (rows, tokens) of each part, as annotate writes one part per rollout shard
+        (
+            slice(r, min(r + args.part_rows, len(lengths))),
+            slice(int(row_ends[r] - lengths[r]), int(row_ends[min(r + args.part_rows, len(lengths)) - 1])),
+        )
+        for r in range(0, len(lengths), args.part_rows)
+    ]
     for k in K_VALUES:
         top = torch.topk(t_lp, k)
         ids, lp = top.indices.int().numpy(), top.values.numpy()
-        plain = {
-            dtype: annotated_table(
-                sample_ids=sample_ids,
-                lengths=lengths,
-                topk_ids=ids,
-                topk_logprobs=lp,
-                token_logprob=sampled_lp.numpy(),
-                logprob_dtype=dtype,
+        wide_ids = {v: rng.integers(0, v, size=ids.shape) for v in (49152, 151936)}  # a real vocabulary's width
+        sizes, fields, decoded_parts = {}, {}, []
+        for rows, toks in parts:
+            tables = part_tables(
+                sample_ids[rows],
+                lengths[rows],
+                ids[toks],
+                lp[toks],
+                sampled_lp.numpy()[toks],
+                vocab,
+                {v: w[toks] for v, w in wide_ids.items()},
             )
-            for dtype in ("float32", "float16")
-        }
-        packed, _ = codec.encode_annotation(plain["float32"], vocab)
-        tables = {"float32": plain["float32"], "float16": plain["float16"], "packed": packed}
-        for v in (49152, 151936):  # the same parts with ids at a real vocabulary's width
-            wide = annotated_table(
-                sample_ids=sample_ids,
-                lengths=lengths,
-                topk_ids=rng.integers(0, v, size=ids.shape),
-                topk_logprobs=lp,
-                token_logprob=sampled_lp.numpy(),
-            )
-            tables[f"packed@V={v}"] = codec.encode_annotation(wide, v)[0]
-            tables[f"float16@V={v}"] = annotated_table(
-                sample_ids=sample_ids,
-                lengths=lengths,
-                topk_ids=flat_values(wide["teacher_topk_ids"]),
-                topk_logprobs=lp,
-                token_logprob=sampled_lp.numpy(),
-                logprob_dtype="float16",
-            )
-        columns[k] = {
-            name: ipc_bytes(packed.select([name]), "zstd") / tokens for name in packed.schema.names
-        }  # each column alone, with its own (small) framing
-        for name, table in tables.items():
-            for compression in (None, "zstd"):
-                storage.append(
-                    {
-                        "k": k,
-                        "format": name,
-                        "compression": compression or "none",
-                        "bytes_per_token": ipc_bytes(table, compression) / tokens,
-                    }
-                )
+            for name, table in tables.items():
+                for compression in (None, "zstd"):
+                    sizes[name, compression] = sizes.get((name, compression), 0) + ipc_bytes(table, compression)
+            # each field alone (a flat array, its own small framing); the rest of the part is sample_id, the one
+            # list offsets buffer and the schema
+            packed = tables["packed"]
+            per_token = packed[codec.PACKED].combine_chunks().flatten()
+            for f, child in zip(per_token.type, per_token.flatten(), strict=True):
+                fields[f.name] = fields.get(f.name, 0) + ipc_bytes(pa.table({f.name: child}), "zstd")
+            fields["sample_id"] = fields.get("sample_id", 0) + ipc_bytes(packed.select(["sample_id"]), "zstd")
+            decoded_parts.append(codec.decode_annotation(packed, k, codec.id_bits(vocab)))
+        columns[k] = {name: size / tokens for name, size in fields.items()}
+        storage += [
+            {"k": k, "format": name, "compression": compression or "none", "bytes_per_token": size / tokens}
+            for (name, compression), size in sizes.items()
+        ]
 
-        decoded = codec.decode_annotation(packed, k, codec.id_bits(vocab))
+        decoded = pa.concat_tables(decoded_parts)
         ids_t = torch.from_numpy(ids)
+        ref = (ids_t, torch.from_numpy(lp), sampled_lp)
+        half = (ids_t, torch.from_numpy(lp.astype(np.float16).astype(np.float32)), sampled_lp.half().float())
+        got = (
+            torch.from_numpy(flat_values(decoded["teacher_topk_ids"]).copy()),
+            torch.from_numpy(flat_values(decoded["teacher_topk_logprobs"]).copy()),
+            torch.from_numpy(flat_values(decoded["teacher_token_logprob"]).copy()),
+        )
         errors[k] = {
-            "float16": loss_errors(
-                s_logits,
-                ids_t,
-                torch.from_numpy(lp),
-                ids_t,
-                torch.from_numpy(lp.astype(np.float16).astype(np.float32)),
-            ),
-            "packed": loss_errors(
-                s_logits,
-                ids_t,
-                torch.from_numpy(lp),
-                torch.from_numpy(flat_values(decoded["teacher_topk_ids"]).copy()),
-                torch.from_numpy(flat_values(decoded["teacher_topk_logprobs"]).copy()),
-            ),
+            "float16": loss_errors(s_logits, sampled, ref, half),
+            "packed": loss_errors(s_logits, sampled, ref, got),
         }
 
         # throughput on the annotations tiled to --tokens positions (rows of the same lengths)
@@ -214,7 +256,7 @@ def main() -> None:
             topk_logprobs=np.tile(lp, (reps, 1)),
             token_logprob=np.tile(sampled_lp.numpy(), reps),
         )
-        big_f16 = big_plain.cast(plain["float16"].schema)
+        big_f16 = big_plain.cast(tables["float16"].schema)
         big_packed, _ = codec.encode_annotation(big_plain, 151936)  # 18-bit ids: the width of a real vocabulary
         demo_packed, _ = codec.encode_annotation(big_plain, vocab)  # the demo teacher's parts as stored
         n = int(big_lengths.sum())
@@ -249,28 +291,28 @@ def main() -> None:
             for v, at in ((vocab, ""), (151936, "@V=151936"))
         )
     )
-    print("\npacked+zstd bytes per token by column (each column alone, V = 99)")
+    print("\npacked+zstd bytes per token by field (each alone, V = 99; the rest is offsets and framing)")
     print(f"{'column':<26}" + "".join(f"{f'k={k}':>9}" for k in K_VALUES))
     for name in dict.fromkeys(n for k in K_VALUES for n in columns[k]):
         print(f"{name:<26}" + "".join(f"{columns[k].get(name, float('nan')):>9.2f}" for k in K_VALUES))
-    print("\n(b) loss error vs float32 annotations (nats/token): |mean difference| / mean |per-token difference|")
-    print(f"{'k':>3} {'format':<8}" + "".join(f"{d:>26}" for d in ("forward_kl", "reverse_kl", "jsd")))
+    print(
+        "\n(b) loss error vs float32 annotations (nats/token): |mean difference| (± its standard error) / "
+        "mean |per-token difference|"
+    )
+    print(f"{'k':>3} {'format':<8}" + "".join(f"{d:>36}" for d in DIVERGENCES))
     for k in K_VALUES:
         for fmt in ("float16", "packed"):
             e = errors[k][fmt]
             print(
                 f"{k:>3} {fmt:<8}"
                 + "".join(
-                    f"{e[d]['mean_error']:>13.2e}{e[d]['per_token_error']:>13.2e}"
-                    for d in ("forward_kl", "reverse_kl", "jsd")
+                    f"{e[d]['mean_error']:>13.2e} ±{e[d]['mean_error_stderr']:>8.1e}{e[d]['per_token_error']:>13.2e}"
+                    for d in DIVERGENCES
                 )
             )
-    print(
-        "mean float32 loss: "
-        + ", ".join(
-            f"{d}={errors[K_VALUES[0]]['packed'][d]['mean_loss']:.3f}" for d in ("forward_kl", "reverse_kl", "jsd")
-        )
-    )
+    for k in K_VALUES:
+        losses = ", ".join(f"{d}={errors[k]['packed'][d]['mean_loss']:.3f}" for d in DIVERGENCES)
+        print(f"mean float32 loss at k={k}: {losses}")
 
     load_after = os.getloadavg()
     print(f"\n(c) throughput, tokens/s (load average {load_before[0]:.2f} before, {load_after[0]:.2f} after)")

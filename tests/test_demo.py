@@ -266,3 +266,27 @@ def test_demo_teaches_the_format_and_collapses_the_kl(tmp_path):
     # without a terminal, progress lines came while it ran (one every ~10 s: dozens over minutes)
     steps = re.findall(r"^opd run: step (\d+)/800 \|", console, re.M)
     assert len(steps) >= 10 and steps[-1] == "800", console[-3000:]
+
+
+@pytest.mark.slow
+def test_the_demo_with_the_packed_codec_passes_its_bar(tmp_path):
+    """Issue #15: training from `annotate.codec: packed` annotations (decoded in the trainer's reader) reaches the
+    demo's bar, and every part on the store is a codec-version-3 packed part."""
+    from opd_cache.cli.inspect import summarize_store
+    from opd_cache.store import Store
+
+    out = tmp_path / "demo"
+    result = subprocess.run(
+        [sys.executable, "-m", "opd_cache.cli", "demo", "--out", str(out), "--set", "annotate.codec=packed"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["passed"]
+    assert summary["after"]["strict"] >= 0.8 * summary["teacher"]["strict"]
+    assert summary["before"]["kl"] / summary["after"]["kl"] >= 5
+    teacher = summarize_store(Store(out / "store"))["teachers"]["teacher"]
+    assert teacher["codec"] == ["packed v3"] and teacher["top_k"] == [8]
+    assert teacher["bytes"] / teacher["tokens"] < 0.5 * teacher["decoded_bytes"] / teacher["tokens"]

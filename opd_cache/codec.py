@@ -423,7 +423,8 @@ class _Stored(NamedTuple):
 
 
 def _stored_fields(table: pa.Table, top_k: int, version: int) -> _Stored:
-    lengths = None
+    """Version 3's struct fields, or versions 1 and 2's flat columns, as one set of arrays (no copies but the
+    decoded mass and sampled-token log-probs)."""
     if version >= 3:
         column = table[PACKED].combine_chunks()
         lengths = list_lengths(column)

@@ -20,7 +20,7 @@ The mass (version 3): logit(m) = log m - log(1 - m) of the top-k mass m, as an i
 MASS_STEP = 2**-8 (|logit| < 128; -32768: m = 0, 32767: m = 1, no tail). Half a step on the logit moves
 log m by at most (1 - m) * 2**-9 * e**(2**-9) and the log tail log(1 - m) by at most m * 2**-9 * e**(2**-9),
 so a peaked row's top entries and a flat row's tail both keep their precision. Versions 1 and 2 kept
-log m as an exact float32 (4 bytes a token, most of version 2's size at k = 8).
+log m as an exact float32 (4 bytes a token, a third of the 12 the size target allows at k = 8).
 
 The sampled token's log-prob (version 3): -lp as a uint16 in steps of TOKEN_STEP = 2**-9 nats, so within
 2**-10 nats (65535: -inf; finite values below -(65534 * TOKEN_STEP) = -127.996 are stored as that bound,

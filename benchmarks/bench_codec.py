@@ -143,8 +143,8 @@ def loss_errors(student_logits, sampled, ref, got) -> dict:
 
 
 def part_tables(sample_ids, lengths, ids, lp, token_lp, vocab: int, wide_ids: dict) -> dict[str, pa.Table]:
-    """One part's tables in every format: float32, float16, packed, and float16/packed with `wide_ids` (random ids
-    within a real vocabulary) in place of the demo's."""
+    """One part's tables in every format: float32, float16, packed, and float16/packed with each of `wide_ids`
+    ({(label, V): ids within V}) in place of the demo's."""
 
     def plain(topk_ids, dtype="float32"):
         return annotated_table(
@@ -161,9 +161,9 @@ def part_tables(sample_ids, lengths, ids, lp, token_lp, vocab: int, wide_ids: di
         "float16": plain(ids, "float16"),
         "packed": codec.encode_annotation(plain(ids), vocab)[0],
     }
-    for v, wide in wide_ids.items():
-        tables[f"packed@V={v}"] = codec.encode_annotation(plain(wide), v)[0]
-        tables[f"float16@V={v}"] = plain(wide, "float16")
+    for (label, v), wide in wide_ids.items():
+        tables[f"packed@{label}"] = codec.encode_annotation(plain(wide), v)[0]
+        tables[f"float16@{label}"] = plain(wide, "float16")
     return tables
 
 
@@ -192,6 +192,7 @@ def main() -> None:
 
     storage, columns, errors, speed = [], {}, {}, {}
     load_before = os.getloadavg()
+    spread = {v: np.random.default_rng(args.seed).choice(v, size=vocab, replace=False) for v in (49152, 151936)}
     row_ends = np.cumsum(lengths)
     parts = [  # (rows, tokens) of each part, as annotate writes one part per rollout shard
         (
@@ -203,7 +204,12 @@ def main() -> None:
     for k in K_VALUES:
         top = torch.topk(t_lp, k)
         ids, lp = top.indices.int().numpy(), top.values.numpy()
-        wide_ids = {v: rng.integers(0, v, size=ids.shape) for v in (49152, 151936)}  # a real vocabulary's width
+        # ids at a real vocabulary's width: random (a worst case: they hardly compress), and the demo teacher's
+        # own ids spread over it by a fixed injective map (its sets repeat as they do here, at 16 or 18 bits)
+        wide_ids = {}
+        for v in (49152, 151936):
+            wide_ids[f"V={v}", v] = rng.integers(0, v, size=ids.shape)
+            wide_ids[f"V={v} spread", v] = spread[v][ids]
         sizes, fields, decoded_parts = {}, {}, []
         for rows, toks in parts:
             tables = part_tables(
@@ -213,7 +219,7 @@ def main() -> None:
                 lp[toks],
                 sampled_lp.numpy()[toks],
                 vocab,
-                {v: w[toks] for v, w in wide_ids.items()},
+                {key: w[toks] for key, w in wide_ids.items()},
             )
             for name, table in tables.items():
                 for compression in (None, "zstd"):
@@ -276,19 +282,19 @@ def main() -> None:
 
     print("\n(a) bytes per response token (Arrow IPC stream as stored)")
     formats = list(dict.fromkeys(r["format"] for r in storage))
-    print(f"{'format':<20}" + "".join(f"{f'k={k} none':>12}{f'k={k} zstd':>12}" for k in K_VALUES))
+    print(f"{'format':<26}" + "".join(f"{f'k={k} none':>12}{f'k={k} zstd':>12}" for k in K_VALUES))
     for name in formats:
         cells = "".join(
             f"{r['bytes_per_token']:>12.1f}" for k in K_VALUES for r in storage if r["format"] == name and r["k"] == k
         )
-        print(f"{name:<20}{cells}")
+        print(f"{name:<26}{cells}")
     zstd = {(r["k"], r["format"]): r["bytes_per_token"] for r in storage if r["compression"] == "zstd"}
     print(
         "packed+zstd / float16+zstd: "
         + ", ".join(
-            f"k={k} V={v}: {zstd[k, 'packed' + at] / zstd[k, 'float16' + at]:.2f}"
+            f"k={k} {at.lstrip('@') or f'V={v}'}: {zstd[k, 'packed' + at] / zstd[k, 'float16' + at]:.2f}"
             for k in K_VALUES
-            for v, at in ((vocab, ""), (151936, "@V=151936"))
+            for v, at in ((vocab, ""), (151936, "@V=151936"), (151936, "@V=151936 spread"))
         )
     )
     print("\npacked+zstd bytes per token by field (each alone, V = 99; the rest is offsets and framing)")

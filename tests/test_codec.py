@@ -466,3 +466,38 @@ def test_parts_written_before_the_range_grid_still_decode_within_their_bound(mon
     )
     np.testing.assert_array_equal(mixed[100:], decoded[100:])
     np.testing.assert_array_equal(mixed[:100], codec.dequantize_logprobs(grid_codes, grid_mass, grid_range)[:100])
+
+
+def test_a_packed_part_keeps_the_support_log_probs_beside_its_struct(student_store):
+    """With `train.support: union` annotate also scores the student's top-k: that column stays plain float32 next to
+    the packed struct, its lengths are checked against it, and it reads back unchanged."""
+    rng = np.random.default_rng(9)
+    plain = plain_part(rng, k=8, rows=6)
+    n = len(schema.flat_values(plain["teacher_token_logprob"]))
+    plain = annotated_table(
+        sample_ids=plain["sample_id"].to_pylist(),
+        lengths=schema.list_lengths(plain["teacher_token_logprob"]),
+        topk_ids=schema.flat_values(plain["teacher_topk_ids"]),
+        topk_logprobs=schema.flat_values(plain["teacher_topk_logprobs"]),
+        token_logprob=schema.flat_values(plain["teacher_token_logprob"]),
+        support_logprobs=-rng.random((n, 3)).astype(np.float32) - 5,
+    )
+    table, codec_meta = codec.encode_annotation(plain, VOCAB)
+    assert table.schema.names == ["sample_id", codec.PACKED, "teacher_support_logprobs"]
+    _, _, meta = packed_part(student_store, rng, k=8)
+    write_shard(student_store, "annotated/s.arrow", table, meta)
+    got, _ = read_shard(student_store, "annotated/s.arrow", kind=ANNOTATED, run=student_store.require_run())
+    assert got["teacher_support_logprobs"].equals(plain["teacher_support_logprobs"])
+    assert_decodes_within_bound(
+        got.drop_columns(["teacher_support_logprobs"]), plain.drop_columns(["teacher_support_logprobs"])
+    )
+    # a support column one position short in a row is refused, naming the row
+    lengths = schema.list_lengths(plain["teacher_token_logprob"])
+    short = lengths.copy()
+    short[2] -= 1
+    support = schema.flat_values(plain["teacher_support_logprobs"])
+    keep = np.ones(len(support), bool)
+    keep[int(lengths[:3].sum()) - 1] = False
+    bad = table.set_column(2, "teacher_support_logprobs", schema.ragged_fixed(support[keep], short, pa.float32()))
+    with pytest.raises(ShardError, match=r"row 2 \(sample 's2'\) has \d+ entries in 'teacher_support_logprobs'"):
+        write_shard(student_store, "annotated/s2.arrow", bad, meta)

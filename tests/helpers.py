@@ -1,4 +1,5 @@
-"""Helpers several test files share: the tiny `opd run` configuration, and a stage running in a thread.
+"""Helpers several test files share: the tiny `opd run` configuration, a stage running in a thread, a truncated
+packed part.
 
 Fixtures live in tests/conftest.py; synthetic shards in opd_cache/testing.py (benchmarks use them too).
 """
@@ -100,3 +101,25 @@ class InThread:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+def truncate_packed_field(table, name: str):
+    """A packed part (codec version 3) with its fixed-size struct field `name` one byte short per position, as a
+    buggy or cut-off writer might leave it (the field's metadata kept)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from opd_cache import codec
+
+    column = table[codec.PACKED].combine_chunks()
+    per_token = column.flatten()
+    fields, arrays = list(per_token.type), per_token.flatten()
+    i = [f.name for f in fields].index(name)
+    width = fields[i].type.byte_width
+    cut = np.frombuffer(arrays[i].buffers()[1], dtype=np.uint8).reshape(-1, width)[:, :-1]
+    arrays[i] = pa.FixedSizeBinaryArray.from_buffers(
+        pa.binary(width - 1), len(cut), [None, pa.py_buffer(cut.tobytes())]
+    )
+    fields[i] = fields[i].with_type(arrays[i].type)
+    truncated = pa.ListArray.from_arrays(column.offsets, pa.StructArray.from_arrays(arrays, fields=fields))
+    return table.set_column(1, table.schema.field(codec.PACKED).with_type(truncated.type), truncated)

@@ -29,6 +29,7 @@ from opd_cache.store import Store, make_shard_id
 from opd_cache.tokenizer import load_tokenizer
 from opd_cache.train.shard_data import load_shard
 from tests.conftest import REPO, write_random_rollout_shard
+from tests.helpers import truncate_packed_field
 
 
 def sorted_logprobs(rng, n: int, vocab: int, k: int, sharpness: float) -> np.ndarray:
@@ -293,17 +294,7 @@ def test_packed_ids_keep_the_entry_order_that_compresses_better():
 @pytest.mark.parametrize("k,name,width", [(4, "ids_packed", 4), (32, "ids_bitmap", 13), (8, "lp_codes", 8)])
 def test_a_truncated_packed_column_is_refused_in_one_line(student_store, monkeypatch, k, name, width):
     _, table, meta = packed_part(student_store, np.random.default_rng(2), k=k)
-    column = table[codec.PACKED].combine_chunks()
-    per_token = column.flatten()
-    fields, arrays = list(per_token.type), per_token.flatten()
-    i = [f.name for f in fields].index(name)
-    cut = np.frombuffer(arrays[i].buffers()[1], dtype=np.uint8).reshape(-1, width)[:, :-1]  # a byte short
-    arrays[i] = pa.FixedSizeBinaryArray.from_buffers(
-        pa.binary(width - 1), len(cut), [None, pa.py_buffer(cut.tobytes())]
-    )
-    fields[i] = fields[i].with_type(arrays[i].type)  # its metadata kept
-    truncated = pa.ListArray.from_arrays(column.offsets, pa.StructArray.from_arrays(arrays, fields=fields))
-    table = table.set_column(1, table.schema.field(codec.PACKED).with_type(truncated.type), truncated)
+    table = truncate_packed_field(table, name)
     expected = (
         f"packed column '{codec.PACKED}.{name}' is truncated: {width - 1} bytes per position, expected {width} "
         f"(k={k}, 7-bit ids)"

@@ -311,22 +311,9 @@ def from_the_future(table, meta, pa):
 
 
 def truncated_codes(table, meta, pa):
-    import numpy as np
+    from tests.helpers import truncate_packed_field
 
-    from opd_cache import codec
-
-    column = table[codec.PACKED].combine_chunks()
-    per_token = column.flatten()
-    fields, arrays = list(per_token.type), per_token.flatten()
-    i = [f.name for f in fields].index("lp_codes")
-    width = fields[i].type.byte_width
-    cut = np.frombuffer(arrays[i].buffers()[1], dtype=np.uint8).reshape(-1, width)[:, :-1]
-    arrays[i] = pa.FixedSizeBinaryArray.from_buffers(
-        pa.binary(width - 1), len(cut), [None, pa.py_buffer(cut.tobytes())]
-    )
-    fields[i] = fields[i].with_type(arrays[i].type)
-    truncated = pa.ListArray.from_arrays(column.offsets, pa.StructArray.from_arrays(arrays, fields=fields))
-    return table.set_column(1, table.schema.field(codec.PACKED).with_type(truncated.type), truncated), meta
+    return truncate_packed_field(table, "lp_codes"), meta
 
 
 def test_replay_reads_packed_parts_and_refuses_damaged_ones_in_one_line(annotated_store, tmp_path):

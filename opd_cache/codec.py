@@ -220,9 +220,13 @@ def _fixed_binary(rows: np.ndarray) -> pa.FixedSizeBinaryArray:
     return pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(rows), [None, pa.py_buffer(rows.tobytes())])
 
 
-def packed_struct(top_k: int, bits: int, *, vocab_size: int = 0, range_levels: bool = True) -> pa.StructType:
-    """The per-token struct of a version-3 part: ids as a bitmap (vocab_size > 0) or packed, ranges as levels or
-    float32, the mass and the sampled token's log-prob as opd_cache/quantize.py codes."""
+def packed_fields(
+    top_k: int, bits: int, *, vocab_size: int = 0, range_levels: bool = True, order: str | None = None
+) -> list[pa.Field]:
+    """The columns of a version-3 packed part (an optional `teacher_support_logprobs` comes after them): the
+    per-token struct with ids as a bitmap (vocab_size > 0) or packed, ranges as levels or float32, the mass and
+    the sampled token's log-prob as opd_cache/quantize.py codes; `order` ("id" or "rank") goes in the codes'
+    metadata."""
     if vocab_size:
         ids = pa.field(
             IDS_BITMAP,
@@ -232,21 +236,18 @@ def packed_struct(top_k: int, bits: int, *, vocab_size: int = 0, range_levels: b
         )
     else:
         ids = pa.field(IDS_PACKED, pa.binary(packed_id_width(top_k, bits)), nullable=False)
-    rng = pa.field("range_level", pa.uint8(), nullable=False) if range_levels else pa.field("log_range", pa.float32())
-    return pa.struct(
+    rng = ("range_level", pa.uint8()) if range_levels else ("log_range", pa.float32())
+    struct = pa.struct(
         [
             ids,
-            pa.field("lp_codes", pa.binary(top_k), nullable=False),
-            rng.with_nullable(False),
+            pa.field(
+                "lp_codes", pa.binary(top_k), nullable=False, metadata={META_ORDER: order.encode()} if order else None
+            ),
+            pa.field(*rng, nullable=False),
             pa.field("mass_code", pa.int16(), nullable=False),
             pa.field("token_code", pa.uint16(), nullable=False),
         ]
     )
-
-
-def packed_fields(top_k: int, bits: int, *, vocab_size: int = 0, range_levels: bool = True) -> list[pa.Field]:
-    """The columns of a version-3 packed part (an optional `teacher_support_logprobs` comes after them)."""
-    struct = packed_struct(top_k, bits, vocab_size=vocab_size, range_levels=range_levels)
     return [pa.field("sample_id", pa.string(), nullable=False), pa.field(PACKED, pa.list_(struct), nullable=False)]
 
 
@@ -278,9 +279,8 @@ def encode_annotation(table: pa.Table, vocab_size: int) -> tuple[pa.Table, dict[
         ]
         order, id_rows, codes = min(candidates, key=lambda c: _zstd_size(c[1]) + _zstd_size(c[2]))
     range_levels = bool(on_grid.all())
-    struct = packed_struct(k, bits, vocab_size=vocab_size if use_bitmap else 0, range_levels=range_levels)
-    code_field = struct.field("lp_codes").with_metadata({META_ORDER: order.encode()})
-    struct = pa.struct([code_field if f.name == "lp_codes" else f for f in struct])
+    fields = packed_fields(k, bits, vocab_size=vocab_size if use_bitmap else 0, range_levels=range_levels, order=order)
+    struct = fields[1].type.value_type
     children = [
         _fixed_binary(id_rows),
         _fixed_binary(codes),
@@ -289,7 +289,6 @@ def encode_annotation(table: pa.Table, vocab_size: int) -> tuple[pa.Table, dict[
         pa.array(quantize_token_logprob(flat_values(table["teacher_token_logprob"]))),
     ]
     per_token = pa.StructArray.from_arrays(children, fields=list(struct))
-    fields = [pa.field("sample_id", pa.string(), nullable=False), pa.field(PACKED, pa.list_(struct), nullable=False)]
     columns = [
         table["sample_id"],
         pa.ListArray.from_arrays(pa.array(offsets_from_lengths(lengths)), per_token),
@@ -385,15 +384,12 @@ def check_packed(table: pa.Table, top_k: int, bits: int, where: str, version: in
         if got == field.type:
             continue
         message = _truncation(field.name, got, field.type, top_k, bits, where)
-        if message is None and field.name == PACKED and pa.types.is_struct(got.value_type):
-            for want_child in field.type.value_type:
-                got_struct = got.value_type
-                if got_struct.get_field_index(want_child.name) < 0:
-                    continue
-                child = got_struct.field(want_child.name)
-                message = _truncation(f"{PACKED}.{child.name}", child.type, want_child.type, top_k, bits, where)
-                if message:
-                    break
+        if message is None and field.name == PACKED:  # (_expected_fields checked it is a list<struct>)
+            got_children = {child.name: child.type for child in got.value_type}
+            for want in field.type.value_type:
+                if want.name in got_children:
+                    name = f"{PACKED}.{want.name}"
+                    message = message or _truncation(name, got_children[want.name], want.type, top_k, bits, where)
         raise CodecError(message or f"{where}: packed column {field.name!r} has type {got}, expected {field.type}")
 
 

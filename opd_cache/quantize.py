@@ -123,18 +123,22 @@ def dequantize_logprobs(
     log_range = np.asarray(log_range, dtype=np.float32)
     log_mass = np.asarray(log_mass, dtype=np.float32)
     level, on_grid = grid_levels(log_range, gap_scale)
+    if on_grid.all():
+        return _dequantize_by_table(codes, log_mass, level, gap_scale)
+    out = np.empty(codes.shape, dtype=np.float32)
+    out[on_grid] = _dequantize_by_table(codes[on_grid], log_mass[on_grid], level[on_grid], gap_scale)
+    off = ~on_grid
+    out[off] = _dequantize_exact(codes[off], log_mass[off], log_range[off], gap_scale)
+    return out
+
+
+def _dequantize_by_table(codes: np.ndarray, log_mass: np.ndarray, level: np.ndarray, gap_scale: float) -> np.ndarray:
     out = np.empty(codes.shape, dtype=np.float32)
     level_base = level.astype(np.uint16) << np.uint16(8)
-    grid_rows = np.flatnonzero(on_grid)
     # TABLE_CHUNK positions at a time, so the [chunk, k] index and gathered values stay in cache
-    for start in range(0, len(grid_rows), TABLE_CHUNK):
-        rows = grid_rows[start : start + TABLE_CHUNK]
-        chunk = np.empty((len(rows), codes.shape[1]), dtype=np.float32)
-        dequantize_chunk(codes[rows], log_mass[rows], level_base[rows], chunk, gap_scale)
-        out[rows] = chunk
-    off = ~on_grid
-    if off.any():
-        out[off] = _dequantize_exact(codes[off], log_mass[off], log_range[off], gap_scale)
+    for start in range(0, len(codes), TABLE_CHUNK):
+        rows = slice(start, start + TABLE_CHUNK)
+        dequantize_chunk(codes[rows], log_mass[rows], level_base[rows], out[rows], gap_scale)
     return out
 
 

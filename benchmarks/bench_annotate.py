@@ -49,14 +49,14 @@ from opd_cache.annotate import Annotator
 from opd_cache.annotate.hf_score import HFScorer, plan_batches
 from opd_cache.config import AnnotateConfig
 from opd_cache.models import build_tiny_model, save_causal_lm
-from opd_cache.schema import (
+from opd_cache.storage.schema import (
     annotated_table,
     flat_values,
     list_lengths,
     read_shard,
     rollout_table,
 )
-from opd_cache.store import Store, make_shard_id
+from opd_cache.storage.store import Store, make_shard_id
 from opd_cache.testing import write_annotated_part, write_rollout_shard
 from opd_cache.tokenizer import tokenizer_fingerprint
 
@@ -83,7 +83,7 @@ def make_store(root: Path, args) -> tuple[Store, Path]:
         build_tiny_model(vocab_size=args.vocab, seed=1, max_position_embeddings=1024, **MODEL), tokenizer, teacher
     )
     store = Store(root / "store")
-    run = store.ensure_run(
+    run = store.manifest.ensure(
         student=str(teacher), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer)
     )
     rng = np.random.default_rng(0)
@@ -109,7 +109,7 @@ def make_store(root: Path, args) -> tuple[Store, Path]:
 def shard_rows(store: Store):
     """(prompts, responses) per shard, as the worker sees them."""
     out = []
-    for info in store.list_rollout_shards():
+    for info in store.shards.rollouts():
         table, _ = read_shard(store, info.path)
         split = lambda col: np.split(flat_values(table[col]), np.cumsum(list_lengths(table[col]))[:-1])  # noqa: E731
         out.append((split("prompt_ids"), split("response_ids")))
@@ -185,9 +185,9 @@ def storage(store: Store, teacher: Path, args) -> list[dict]:
     rows = shard_rows(store)[: args.storage_shards]
     k_max = max(args.storage_k)
     scores = [scorer.score(p, r, k_max) for p, r in rows]
-    sample_ids = [read_shard(store, i.path)[0]["sample_id"].to_pylist() for i in store.list_rollout_shards()]
+    sample_ids = [read_shard(store, i.path)[0]["sample_id"].to_pylist() for i in store.shards.rollouts()]
     tokens = sum(s.num_tokens for s in scores)
-    run = store.require_run()
+    run = store.manifest.require()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Store(tmp)

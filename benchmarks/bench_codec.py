@@ -50,10 +50,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from opd_cache import codec
 from opd_cache.losses import LossConfig, token_losses
 from opd_cache.models import load_causal_lm
-from opd_cache.schema import annotated_table, flat_values
+from opd_cache.storage import codec
+from opd_cache.storage.schema import annotated_table, flat_values
 from opd_cache.tokenizer import load_tokenizer
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_codec.json"

@@ -47,12 +47,9 @@ import pyarrow as pa
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from opd_cache import (
-    integrity,
-    schema,
-)
-from opd_cache.schema import ANNOTATED, ShardMeta, read_shard, write_shard
-from opd_cache.store import Store
+from opd_cache.storage import integrity, layout, schema
+from opd_cache.storage.schema import ANNOTATED, ShardMeta, read_shard, write_shard
+from opd_cache.storage.store import Store
 from opd_cache.testing import write_synthetic_store
 from opd_cache.train.shard_data import load_shard
 
@@ -103,7 +100,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-integrity-") as tmp:
         store = Store(Path(tmp) / "store")
-        run = store.ensure_run(student="s", tokenizer_fingerprint="fp", top_k=args.top_k, teachers={"teacher": "t"})
+        run = store.manifest.ensure(
+            student="s", tokenizer_fingerprint="fp", top_k=args.top_k, teachers={"teacher": "t"}
+        )
         shard_ids = write_synthetic_store(
             store,
             run,
@@ -114,9 +113,9 @@ def main() -> None:
             response_len=(args.tokens, args.tokens),
             prompt_len=(64, 64),
         )
-        parts = [store.annotated_path(s, "teacher") for s in shard_ids]
+        parts = [layout.annotated_path(s, "teacher") for s in shard_ids]
         file_bytes = sum(
-            store.local_path(store.rollout_path(s)).stat().st_size + store.local_path(p).stat().st_size
+            store.local_path(layout.rollout_path(s)).stat().st_size + store.local_path(p).stat().st_size
             for s, p in zip(shard_ids, parts)
         )
         part_bytes = sum(store.local_path(p).stat().st_size for p in parts)

@@ -54,7 +54,8 @@ sys.path.insert(0, str(ROOT))
 from opd_cache.annotate import Annotator
 from opd_cache.config import AnnotateConfig
 from opd_cache.rollout.pacing import BacklogGauge
-from opd_cache.store import COMPLETE_MARKER, ShardWatch, Store, make_shard_id, parse_shard_id
+from opd_cache.storage import layout
+from opd_cache.storage.store import COMPLETE_MARKER, ShardWatch, Store, make_shard_id, parse_shard_id
 from opd_cache.testing import CountingFileSystem
 from opd_cache.train.shard_data import ShardCache
 from opd_cache.train.stream import ShardStream
@@ -154,9 +155,7 @@ class Placeholders:
         if self.layout == "flat":
             rels = [f"rollouts/{shard_id}.arrow"] + ([f"annotated/{shard_id}/teacher.arrow"] if annotated else [])
         else:
-            rels = [self.store.rollout_path(shard_id)] + (
-                [self.store.annotated_path(shard_id, "teacher")] if annotated else []
-            )
+            rels = [layout.rollout_path(shard_id)] + ([layout.annotated_path(shard_id, "teacher")] if annotated else [])
         return rels
 
     def put(self, rel: str) -> None:
@@ -177,7 +176,7 @@ class Placeholders:
         for i in range(start, end):
             for rel in self.rels(shard_id_of(i), annotated=i // PER_VERSION < latest):
                 self.put(rel)
-        self.store.write_bytes(f"{self.store.policy_dir(latest)}/{COMPLETE_MARKER}", b"")
+        self.store.write_bytes(f"{layout.policy_dir(latest)}/{COMPLETE_MARKER}", b"")
         self.store.write_bytes("policy/LATEST", f"{latest}\n".encode())
         return latest
 

@@ -6,7 +6,7 @@
 Each flush follows one trainer-like record (~700 bytes of JSON, the shape `Trainer._log` writes), the
 trainer's pattern with a flush per step. `old` is the MetricsLog before issue #14, replicated here: every
 flush writes all records so far atomically (local: temporary file, fsync, rename; S3: one PUT). `new` is
-opd_cache.metrics.MetricsLog: local stores append the new lines (one write), object stores re-PUT only the
+opd_cache.observe.metrics.MetricsLog: local stores append the new lines (one write), object stores re-PUT only the
 current segment (<= SEGMENT_BYTES). Reported: wall time of all N flushes, bytes written, the time of the last
 10% of flushes per flush (what a long run pays per step), and the `read_metrics` time of the final log.
 S3 is moto's server on 127.0.0.1 in a subprocess (every request is HTTP to localhost).
@@ -31,14 +31,14 @@ sys.path.insert(0, str(ROOT))
 
 from common import write_results
 
-from opd_cache.metrics import SEGMENT_BYTES, MetricsLog, read_metrics
-from opd_cache.store import Store
+from opd_cache.observe.metrics import SEGMENT_BYTES, MetricsLog, read_metrics
+from opd_cache.storage.store import Store
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_metrics.json"
 
 
 class OldMetricsLog:
-    """opd_cache/metrics.py before issue #14: the whole file, republished atomically on every flush."""
+    """opd_cache/observe/metrics.py before issue #14: the whole file, republished atomically on every flush."""
 
     def __init__(self, store: Store, stage: str, worker: str = "0"):
         self.store, self.rel, self.lines = store, f"metrics/{stage}-{worker}.jsonl", []

@@ -4,7 +4,7 @@
     python benchmarks/bench_pipeline.py --quick    # 40 steps per run, a smoke run (~12 min: start-up dominates)
 
 Every run trains the demo student (examples/arithmetic_cpu/config.yaml, built by
-`opd_cache.demo.demo_config`) for the same number of optimizer steps × 64
+`opd_cache.launch.demo.demo_config`) for the same number of optimizer steps × 64
 samples, seed 0, on a fresh store, one run after the other (never two
 pipelines at once: the machine has two cores). Each run is `opd run --config
 <its resolved config> --quiet` in a subprocess — rollout, annotate, train and
@@ -42,7 +42,7 @@ async-s2 run of part 1, not a re-run):
              reverse KL on the union of the teacher's and the student's top-8
              (rollout.student_topk = 8, train.support = union), tail bucket
 
-Measured per run, from the store's metrics (opd_cache.report.summarize) and
+Measured per run, from the store's metrics (opd_cache.observe.report.summarize) and
 the clock: wall time of the whole `opd run` (start-up and the evaluator's last
 evaluation included), time from the start to the last optimizer step, the
 trainer's busy share Σ step_time / Σ (step_time + data_wait), the staleness
@@ -81,11 +81,11 @@ sys.path.insert(0, str(ROOT))
 from common import markdown_table
 
 from opd_cache.config import Config
-from opd_cache.demo import demo_config, ensure_demo_models
-from opd_cache.metrics import read_metrics
-from opd_cache.report import summarize
-from opd_cache.run import eval_command, sync_overrides, write_resolved_config
-from opd_cache.store import Store
+from opd_cache.launch.demo import demo_config, ensure_demo_models
+from opd_cache.launch.run import eval_command, sync_overrides, write_resolved_config
+from opd_cache.observe.metrics import read_metrics
+from opd_cache.observe.report import summarize
+from opd_cache.storage.store import Store
 
 RESULTS = ROOT / "benchmarks" / "results"
 REPLAY_STALENESS = 1_000_000  # "every row is admissible" (see the docstring)

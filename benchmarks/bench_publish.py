@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from bench_startup import measure_startup
 
 from opd_cache.config import load_config
-from opd_cache.store import Store
+from opd_cache.storage.store import Store
 from opd_cache.testing import write_synthetic_store
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 from opd_cache.train import trainer as trainer_module
@@ -63,7 +63,7 @@ BATCH = 64
 def make_store(root: Path, shards: int) -> Store:
     tokenizer = load_tokenizer(STUDENT)
     store = Store(root)
-    run = store.ensure_run(
+    run = store.manifest.ensure(
         student=str(STUDENT),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         vocab_size=len(tokenizer),

@@ -44,8 +44,8 @@ import yaml  # noqa: E402
 
 from opd_cache.annotate import Annotator  # noqa: E402
 from opd_cache.config import AnnotateConfig, Config  # noqa: E402
-from opd_cache.metrics import read_metrics  # noqa: E402
-from opd_cache.store import Store  # noqa: E402
+from opd_cache.observe.metrics import read_metrics  # noqa: E402
+from opd_cache.storage.store import Store  # noqa: E402
 from opd_cache.testing import write_synthetic_store  # noqa: E402
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint  # noqa: E402
 
@@ -56,7 +56,7 @@ STUDENT = REPO / "data/models/student"
 def make_store(uri: str, shards: int, rows: int, s3_endpoint: str | None = None) -> Store:
     store = Store(uri, s3_endpoint=s3_endpoint)
     tokenizer = load_tokenizer(str(STUDENT))
-    run = store.ensure_run(
+    run = store.manifest.ensure(
         student=str(STUDENT), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer)
     )
     write_synthetic_store(
@@ -69,7 +69,7 @@ def make_store(uri: str, shards: int, rows: int, s3_endpoint: str | None = None)
 def annotate_under_ray(root: Path, workers: int, shards: int, rows: int) -> dict:
     import ray
 
-    from opd_cache.ray_actor import StageWorker
+    from opd_cache.launch.ray_actor import StageWorker
 
     store = make_store(str(root / f"store-{workers}"), 0, rows)  # run.json only: the shards come once all are up
     config = root / f"config-{workers}.yaml"
@@ -90,7 +90,7 @@ def annotate_under_ray(root: Path, workers: int, shards: int, rows: int) -> dict
     while not all(log.exists() and "pending" in log.read_text() for log in logs):
         time.sleep(0.2)
     make_store(store.uri, shards, rows)
-    while len(store.list_annotated_parts()) < shards:
+    while len(store.shards.annotated_parts()) < shards:
         time.sleep(0.05)
     store.mark_done()
     ray.get(refs)
@@ -213,8 +213,8 @@ def ray_fixed_costs(root: Path) -> dict:
     """The seconds of Ray's own start-up and shutdown in a run: ray.init, one actor to its command, shutdown."""
     import ray
 
-    from opd_cache.ray_actor import StageWorker
-    from opd_cache.ray_launcher import bind_ray_to_loopback
+    from opd_cache.launch.ray_actor import StageWorker
+    from opd_cache.launch.ray_launcher import bind_ray_to_loopback
 
     started = time.perf_counter()
     bind_ray_to_loopback()
@@ -241,7 +241,7 @@ def launcher_rounds(root: Path, rounds: int, steps: int, demo: bool, attached: b
     if attached:
         import ray
 
-        from opd_cache.ray_launcher import bind_ray_to_loopback
+        from opd_cache.launch.ray_launcher import bind_ray_to_loopback
 
         bind_ray_to_loopback()
         ray.init(num_cpus=24, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)

@@ -118,7 +118,7 @@ def run_rollout_side(args) -> dict:
     import opd_cache.rollout.hf_generate  # noqa: F401  (run_rollout imports its engine lazily)
     from opd_cache.config import RolloutConfig, SamplingConfig
     from opd_cache.rollout import run_rollout
-    from opd_cache.store import Store
+    from opd_cache.storage.store import Store
 
     import_model_code()
     torch.set_num_threads(args.threads)

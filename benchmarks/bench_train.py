@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from common import write_results
 
-from opd_cache.store import Store
+from opd_cache.storage.store import Store
 from opd_cache.testing import write_synthetic_store
 from opd_cache.train.loader import BatchLoader
 from opd_cache.train.microbatch import decode_rows
@@ -53,7 +53,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "bench_train.json"
 
 def make_store(root: Path, *, shards: int, rows: int, vocab: int, top_k: int, prompt_len, response_len) -> Store:
     store = Store(root)
-    run = store.ensure_run(
+    run = store.manifest.ensure(
         student="bench", tokenizer_fingerprint="fp-bench", vocab_size=vocab, top_k=top_k, teachers={"teacher": "bench"}
     )
     write_synthetic_store(store, run, shards, num_rows=rows, prompt_len=prompt_len, response_len=response_len)
@@ -61,7 +61,7 @@ def make_store(root: Path, *, shards: int, rows: int, vocab: int, top_k: int, pr
 
 
 def stream_of(store: Store, batch_samples: int) -> tuple[ShardStream, ShardCache]:
-    run = store.require_run()
+    run = store.manifest.require()
     cache = ShardCache(store, run, ["teacher"])
     return ShardStream(store, run, cache, max_staleness=100, batch_samples=batch_samples, batch_tokens=None), cache
 

@@ -7,7 +7,7 @@ TRL is not a dependency of the project: install it in its own virtual environmen
 torch and transformers (docs/benchmarks.md, "TRL's GKD trainer"), and run this script with that python.
 The opd side runs `opd run` with the same interpreter; the TRL side runs in a fresh child process.
 
-The workload is the demo's (examples/arithmetic_cpu/config.yaml, built by `opd_cache.demo.demo_config`):
+The workload is the demo's (examples/arithmetic_cpu/config.yaml, built by `opd_cache.launch.demo.demo_config`):
 the 2-layer student, the 3-layer teacher, data/arithmetic/train.parquet, `--steps` optimizer steps × 64
 samples (16 prompts × 4 samples), sampling temperature 1.0, at most 10 new tokens, AdamW lr 1e-3 with 30
 steps of warm-up and cosine decay to 1e-4, gradient clipping 1.0, seed 0. Both sides:
@@ -59,8 +59,8 @@ from bench_pipeline import Clock, child_env, measure, run_pipeline
 from common import write_results
 
 from opd_cache.config import Config
-from opd_cache.demo import demo_config, ensure_demo_models
 from opd_cache.evaluate import _subset, evaluate_model, load_teacher, resolve_model
+from opd_cache.launch.demo import demo_config, ensure_demo_models
 from opd_cache.rollout.prompt_stream import PromptStream
 from opd_cache.tasks.prompts import load_prompts
 from opd_cache.tokenizer import load_tokenizer

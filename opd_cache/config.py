@@ -19,8 +19,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from opd_cache.flow.staleness import DEFAULT_MAX_STALENESS
 from opd_cache.losses import LossConfig
-from opd_cache.staleness import DEFAULT_MAX_STALENESS
 
 
 class ConfigError(ValueError):
@@ -327,7 +327,7 @@ class Config(Section):
         DEFAULT_MAX_STALENESS,
         ge=0,
         description="versions a row may lag behind the policy it trains (0 = synchronous): rollout pauses, annotate "
-        "skips, the trainer expires beyond it (opd_cache/staleness.py); one bound for the three stages",
+        "skips, the trainer expires beyond it (opd_cache/flow/staleness.py); one bound for the three stages",
     )
     store: StoreConfig = StoreConfig()
     rollout: RolloutConfig = RolloutConfig()

@@ -26,15 +26,16 @@ import torch.nn.functional as F
 
 from opd_cache.config import SamplingConfig
 from opd_cache.engine import Response, SampleRequest, resolve_device
-from opd_cache.metrics import MetricsLog
 from opd_cache.models import load_causal_lm
-from opd_cache.retention import VersionHold
+from opd_cache.observe.metrics import MetricsLog
+from opd_cache.observe.tracking import eval_metrics
 from opd_cache.rollout.hf_generate import HFGenerator
-from opd_cache.store import COMPLETE_MARKER, Store
+from opd_cache.storage import layout
+from opd_cache.storage.retention import VersionHold
+from opd_cache.storage.store import COMPLETE_MARKER, Store
 from opd_cache.tasks.prompts import PromptSet, load_prompts
 from opd_cache.tasks.rewards import compute_score
 from opd_cache.tokenizer import check_compatible, load_tokenizer
-from opd_cache.tracking import eval_metrics
 
 
 @dataclass
@@ -163,9 +164,9 @@ def load_teacher(path: str | os.PathLike, student_tokenizer, device: str = "auto
 
 def resolve_model(model: str, s3_endpoint: str | None = None) -> tuple[str, int | None, Store | None]:
     """A checkpoint folder, or a store (then its newest published version, or the student for version 0)."""
-    if "://" in model or Store(model).has_run():
+    if "://" in model or Store(model).manifest.exists():
         store = Store(model, s3_endpoint=s3_endpoint)  # the endpoint of store.s3_endpoint, like the other stages
-        run = store.require_run()
+        run = store.manifest.require()
         version = store.latest_version()
         if version == 0:
             return run.student, 0, store
@@ -176,7 +177,7 @@ def resolve_model(model: str, s3_endpoint: str | None = None) -> tuple[str, int 
 
 
 def _policy_folder(store: Store, version: int) -> Path:
-    rel = store.policy_dir(version)
+    rel = layout.policy_dir(version)
     if store.is_local:
         return store.local_path(rel)
     return store.download_dir(rel, Path(tempfile.mkdtemp(prefix="opd-eval-")) / rel)
@@ -200,13 +201,13 @@ def evaluate_store(
     """Evaluate version 0 and then every `every`-th published version (and the last) into the metrics.
 
     `echo` receives one line per evaluated version (the CLI prints it: the evaluator's log in `opd run`);
-    `tracker` (opd_cache.tracking.Tracker, from train.report_to) each result, with the version as its step."""
-    run = store.require_run()
+    `tracker` (opd_cache.observe.tracking.Tracker, from train.report_to) each result, with the version as its step."""
+    run = store.manifest.require()
     tokenizer = load_tokenizer(run.student)
     prompts = _subset(load_prompts(prompts_path, tokenizer), max_prompts)
     teacher = load_teacher(teacher_path, tokenizer, device) if teacher_path else None
     log = MetricsLog(store, "eval", worker)
-    # the trainer's retention keeps the versions still to evaluate (opd_cache/retention.py)
+    # the trainer's retention keeps the versions still to evaluate (opd_cache/storage/retention.py)
     hold = VersionHold(store, f"eval-{worker}", ttl_s=max(600.0, 30 * poll_seconds))
     hold.hold(1, every=every)
     done_versions = {r["version"] for r in log.records()}
@@ -220,7 +221,7 @@ def evaluate_store(
         todo = [v for v in versions if v not in done_versions and (v % every == 0 or (finished and v == versions[-1]))]
         hold.hold(*(todo or [versions[-1] + 1]), every=every)
         for version in todo:
-            if version and not store.exists(f"{store.policy_dir(version)}/{COMPLETE_MARKER}"):
+            if version and not store.exists(f"{layout.policy_dir(version)}/{COMPLETE_MARKER}"):
                 continue  # deleted by retention while its hold had expired (an evaluator stopped for long)
             path = run.student if version == 0 else _policy_folder(store, version)
             if engine is None:

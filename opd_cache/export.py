@@ -29,8 +29,9 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from opd_cache.schema import read_shard
-from opd_cache.store import RUN_JSON, TMP_MARKER, RunManifest, Store
+from opd_cache.storage import layout
+from opd_cache.storage.schema import read_shard
+from opd_cache.storage.store import RUN_JSON, TMP_MARKER, RunManifest, Store
 from opd_cache.train.shard_data import load_shard, ragged_index
 
 FORMATS = ("parquet", "arrow")
@@ -109,7 +110,7 @@ def teacher_batch(store: Store, run: dict, shard_id: str, teacher: str, tokenize
     data = load_shard(store, run, shard_id, [teacher])  # validated: run id, tokenizer, top-k, lengths, order
     rows = np.nonzero(data.teacher_of_row == 0)[0].astype(np.int64)
     # The rollout's string columns the trainer does not need (ShardData has no finish_reason / sample_index).
-    rollout, _ = read_shard(store, store.rollout_path(shard_id), run=run)
+    rollout, _ = read_shard(store, layout.rollout_path(shard_id), run=run)
     take = pa.array(rows)
     prompt_ids, prompt_offsets = _select(data.prompt_values, data.prompt_offsets, rows)
     response_ids, response_offsets = _select(data.response_values, data.response_offsets, rows)
@@ -235,8 +236,8 @@ def export_store(
     """Write one table per teacher under `to`; `on_shard(done, total, shard_id)` reports progress."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
-    run = store.require_run()
-    shards, parts = store.list_dataset()
+    run = store.manifest.require()
+    shards, parts = store.shards.dataset()
     found = sorted({t for shard in shards for t in parts.get(shard.shard_id, ())})
     if not found:
         raise ValueError(
@@ -274,7 +275,7 @@ def export_store(
                 totals.rows += batch.num_rows
                 totals.tokens += int(pc.sum(pc.list_value_length(batch.column("response_ids"))).as_py() or 0)
                 if totals.top_k is None:
-                    part, _ = read_shard(store, store.annotated_path(shard.shard_id, t), run=run)
+                    part, _ = read_shard(store, layout.annotated_path(shard.shard_id, t), run=run)
                     lp = part.schema.field("teacher_topk_logprobs").type.value_type
                     totals.top_k, totals.topk_logprob_dtype = (
                         lp.list_size,

@@ -23,9 +23,10 @@ import numpy as np
 import pyarrow.fs as pafs
 import torch
 
-from opd_cache.manifest import RunManifest
-from opd_cache.schema import ANNOTATED, ROLLOUT, ShardMeta, annotated_table, rollout_table, write_shard
-from opd_cache.store import Store, make_shard_id, parse_shard_id
+from opd_cache.storage import layout
+from opd_cache.storage.manifest import RunManifest
+from opd_cache.storage.schema import ANNOTATED, ROLLOUT, ShardMeta, annotated_table, rollout_table, write_shard
+from opd_cache.storage.store import Store, make_shard_id, parse_shard_id
 
 
 @torch.no_grad()
@@ -60,7 +61,7 @@ def shard_meta(run: dict, shard_id: str, kind: str, **fields) -> ShardMeta:
 
 def write_rollout_shard(store: Store, run: dict, shard_id: str, table, *, student_topk: int = 0) -> str:
     """Publish a rollout table as shard `shard_id` of `run`; returns its store path."""
-    rel = store.rollout_path(shard_id)
+    rel = layout.rollout_path(shard_id)
     write_shard(store, rel, table, shard_meta(run, shard_id, ROLLOUT, student_topk=student_topk))
     return rel
 
@@ -78,7 +79,7 @@ def write_annotated_part(
     compression: str | None = None,
 ) -> str:
     """Publish `teacher`'s annotated part of shard `shard_id` (at `rel`, default its store path); returns the path."""
-    rel = rel or store.annotated_path(shard_id, teacher)
+    rel = rel or layout.annotated_path(shard_id, teacher)
     meta = shard_meta(run, shard_id, ANNOTATED, top_k=top_k, teacher=teacher, student_topk=student_topk)
     write_shard(store, rel, table, meta, compression=compression)
     return rel

@@ -76,7 +76,7 @@ def tiny_model_factory(tmp_path_factory, tokenizer):
 
 @pytest.fixture
 def local_store(tmp_path):
-    from opd_cache.store import Store
+    from opd_cache.storage.store import Store
 
     return Store(tmp_path / "store")
 
@@ -86,7 +86,7 @@ def student_store(local_store, tokenizer, tiny_model_factory):
     """A local store whose run.json carries the shipped tokenizer's fingerprint and a loadable tiny student."""
     from opd_cache.tokenizer import tokenizer_fingerprint
 
-    local_store.ensure_run(
+    local_store.manifest.ensure(
         student=str(tiny_model_factory("student", seed=0)),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         vocab_size=len(tokenizer),
@@ -133,7 +133,7 @@ def s3_endpoint():
 @pytest.fixture
 def s3_store(s3_endpoint, monkeypatch, request):
     """A Store on a fresh bucket of the moto server."""
-    from opd_cache.store import Store
+    from opd_cache.storage.store import Store
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
@@ -159,13 +159,13 @@ def write_random_rollout_shard(
     data_source: str | None = None,
 ):
     """A syntactically valid rollout shard with random tokens (for storage/annotate/train tests)."""
-    from opd_cache.schema import rollout_table
-    from opd_cache.store import parse_shard_id
+    from opd_cache.storage.schema import rollout_table
+    from opd_cache.storage.store import parse_shard_id
     from opd_cache.testing import write_rollout_shard
 
     rng = np.random.default_rng(seed)
     version, _, _ = parse_shard_id(shard_id)
-    run = run or store.ensure_run(student="student", tokenizer_fingerprint="fp-test")
+    run = run or store.manifest.ensure(student="student", tokenizer_fingerprint="fp-test")
     lengths = rng.integers(0, max_response + 1, size=num_rows)
     table = rollout_table(
         sample_ids=[f"{shard_id}-{i}" for i in range(num_rows)],

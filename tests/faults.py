@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from opd_cache import integrity
+from opd_cache.storage import integrity
 
 
 def damage_offsets(size: int, rng: np.random.Generator) -> dict[str, int]:

@@ -109,7 +109,7 @@ def truncate_packed_field(table, name: str):
     import numpy as np
     import pyarrow as pa
 
-    from opd_cache import codec
+    from opd_cache.storage import codec
 
     column = table[codec.PACKED].combine_chunks()
     per_token = column.flatten()

@@ -27,7 +27,8 @@ from typer.testing import CliRunner
 from opd_cache.annotate import Annotator, annotate, shard_owner
 from opd_cache.config import AnnotateConfig, load_config
 from opd_cache.models import build_tiny_model, load_causal_lm, save_causal_lm
-from opd_cache.schema import (
+from opd_cache.storage import layout
+from opd_cache.storage.schema import (
     ANNOTATED,
     ROLLOUT,
     flat_values,
@@ -36,7 +37,7 @@ from opd_cache.schema import (
     rollout_table,
     write_shard,
 )
-from opd_cache.store import StoreError, make_shard_id
+from opd_cache.storage.store import StoreError, make_shard_id
 from opd_cache.testing import write_rollout_shard
 from opd_cache.tokenizer import load_tokenizer
 from tests.conftest import REPO, write_random_rollout_shard
@@ -66,7 +67,12 @@ def write_shards(store, count: int, version: int = 0, worker: str = "w00", **kwa
         kwargs.setdefault("num_rows", 6)
         kwargs.setdefault("max_response", 8)
         write_random_rollout_shard(
-            store, shard_id=shard_id, vocab_size=VOCAB, seed=version * 1000 + seq, run=store.require_run(), **kwargs
+            store,
+            shard_id=shard_id,
+            vocab_size=VOCAB,
+            seed=version * 1000 + seq,
+            run=store.manifest.require(),
+            **kwargs,
         )
         ids.append(shard_id)
     return ids
@@ -77,7 +83,7 @@ def config(teacher, **kwargs) -> AnnotateConfig:
 
 
 def read_part(store, shard_id: str, teacher: str = "teacher"):
-    return read_shard(store, store.annotated_path(shard_id, teacher), kind=ANNOTATED, run=store.require_run())
+    return read_shard(store, layout.annotated_path(shard_id, teacher), kind=ANNOTATED, run=store.manifest.require())
 
 
 def rows_of(table, column):
@@ -100,7 +106,7 @@ def test_annotations_equal_direct_computation(store, teacher_path, dtype):
     stats = annotate(store, config(teacher_path, top_k=k, dtype=dtype, max_tokens_per_batch=40), progress=False)
     assert stats.annotated == [shard_id] and stats.tokens > 0
 
-    rollout, _ = read_shard(store, store.rollout_path(shard_id), kind=ROLLOUT)
+    rollout, _ = read_shard(store, layout.rollout_path(shard_id), kind=ROLLOUT)
     part, meta = read_part(store, shard_id)
     assert (meta.kind, meta.top_k, meta.teacher, meta.policy_version, meta.shard_id) == (
         ANNOTATED,
@@ -149,7 +155,7 @@ def test_annotations_equal_direct_computation(store, teacher_path, dtype):
 def test_token_budget_does_not_change_outputs_and_rerun_is_bitwise_identical(store, teacher_path):
     shard_ids = write_shards(store, 2, num_rows=10, max_response=12)
     annotate(store, config(teacher_path, top_k=5, max_tokens_per_batch=10_000), progress=False)
-    first = {s: store.read_bytes(store.annotated_path(s, "teacher")) for s in shard_ids}
+    first = {s: store.read_bytes(layout.annotated_path(s, "teacher")) for s in shard_ids}
     tables = {s: read_part(store, s)[0] for s in shard_ids}
 
     # nothing pending: a rerun writes nothing
@@ -166,7 +172,7 @@ def test_token_budget_does_not_change_outputs_and_rerun_is_bitwise_identical(sto
             for col in ("teacher_topk_logprobs", "teacher_token_logprob"):
                 np.testing.assert_allclose(flat_values(again[col]), flat_values(tables[s][col]), rtol=0, atol=1e-6)
             if budget == 10_000:  # same batches: the same bytes
-                assert store.read_bytes(store.annotated_path(s, "teacher")) == first[s]
+                assert store.read_bytes(layout.annotated_path(s, "teacher")) == first[s]
 
 
 # ---------------------------------------------------------------- workers
@@ -179,7 +185,7 @@ def test_two_workers_annotate_every_shard_exactly_once(store, teacher_path):
     assert set(stats[0].annotated).isdisjoint(stats[1].annotated)
     assert sorted(stats[0].annotated + stats[1].annotated) == shard_ids
     assert all(shard_owner(s, 2) == i for i in (0, 1) for s in stats[i].annotated)
-    assert store.list_annotated_parts() == {s: {"teacher"} for s in shard_ids}
+    assert store.shards.annotated_parts() == {s: {"teacher"} for s in shard_ids}
     assert [
         annotate(store, config(teacher_path, top_k=4, worker_index=i, num_workers=2), progress=False).annotated
         for i in (0, 1)
@@ -195,31 +201,31 @@ def test_sigkilled_worker_restarted_leaves_no_partial_or_duplicate_part(store, t
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 120
-        while not store.list_annotated_parts() and proc.poll() is None and time.time() < deadline:
+        while not store.shards.annotated_parts() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.005)
         os.kill(proc.pid, signal.SIGKILL)  # mid-run: while scoring or writing the next shard
     finally:
         proc.wait(timeout=10)
-    done_at_kill = store.list_annotated_parts()
+    done_at_kill = store.shards.annotated_parts()
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
     assert 0 < len(done_at_kill) < len(shard_ids)
 
     # restart with the same settings: finishes the rest, rewrites nothing
     stats = annotate(store, config(teacher_path, top_k=4, max_tokens_per_batch=32), progress=False)
     assert sorted(stats.annotated) == sorted(set(shard_ids) - set(done_at_kill))
-    assert store.list_annotated_parts() == {s: {"teacher"} for s in shard_ids}
+    assert store.shards.annotated_parts() == {s: {"teacher"} for s in shard_ids}
     annotated_dir = Path(store.uri) / "annotated"
     for shard_id in shard_ids:  # exactly one complete, valid part per shard; at most ignored *.tmp-* leftovers
         names = [p.name for p in (annotated_dir / shard_id[:7] / shard_id).iterdir() if ".tmp-" not in p.name]
         assert names == ["teacher.arrow"]
         part, _ = read_part(store, shard_id)
-        rollout, _ = read_shard(store, store.rollout_path(shard_id))
+        rollout, _ = read_shard(store, layout.rollout_path(shard_id))
         assert part["sample_id"].equals(rollout["sample_id"])
         assert (list_lengths(part["teacher_token_logprob"]) == list_lengths(rollout["response_ids"])).all()
     # what the killed process wrote equals what this process computes
     killed_part = sorted(done_at_kill)[0]
     before, _ = read_part(store, killed_part)
-    store.delete(store.annotated_path(killed_part, "teacher"))
+    store.delete(layout.annotated_path(killed_part, "teacher"))
     annotate(store, config(teacher_path, top_k=4, max_tokens_per_batch=32), progress=False)
     after, _ = read_part(store, killed_part)
     assert after["teacher_topk_ids"].equals(before["teacher_topk_ids"])
@@ -255,9 +261,9 @@ def test_follow_annotates_new_shards_until_done(store, teacher_path):
     thread = threading.Thread(target=annotator.run, daemon=True)
     thread.start()
     late = make_shard_id(0, "w01", 0)  # polls list versions up to LATEST (0 here): a run writes no newer shard
-    write_random_rollout_shard(store, shard_id=late, vocab_size=VOCAB, run=store.require_run())
+    write_random_rollout_shard(store, shard_id=late, vocab_size=VOCAB, run=store.manifest.require())
     deadline = time.time() + 60
-    while not store.exists(store.annotated_path(late, "teacher")) and time.time() < deadline:
+    while not store.exists(layout.annotated_path(late, "teacher")) and time.time() < deadline:
         time.sleep(0.05)
     assert thread.is_alive()  # still following
     store.mark_done()
@@ -282,7 +288,7 @@ def write_routed_shard(store, shard_id: str, sources: list[str | None]) -> None:
         finish_reason=["stop"] * n,
         data_source=sources,
     )
-    write_rollout_shard(store, store.require_run(), shard_id, table)
+    write_rollout_shard(store, store.manifest.require(), shard_id, table)
 
 
 def test_routing_sends_each_row_to_its_teacher(store, tiny_model_factory):
@@ -301,7 +307,7 @@ def test_routing_sends_each_row_to_its_teacher(store, tiny_model_factory):
     b = annotate(store, config(tiny_model_factory("teacher", seed=2), top_k=4, teacher_name="tB"), progress=False)
     assert sorted(a.annotated) == sorted(b.annotated) == [mixed, only_math]
 
-    run = store.require_run()
+    run = store.manifest.require()
     assert run["routing"] == {"key": "data_source", "map": routing, "default": "tB"}
     assert set(run["teachers"]) == {"tA", "tB"} and run["top_k"] == 4
     assert read_part(store, mixed, "tA")[0]["sample_id"].to_pylist() == [f"{mixed}-0", f"{mixed}-2"]
@@ -344,7 +350,7 @@ def test_a_store_with_its_teachers_in_run_json_is_annotated_as_before(store, tea
         Annotator(store, config(tiny_model_factory("teacher", seed=2)), progress=False)
     stats = annotate(store, config(teacher_path), progress=False)  # no --top-k: run.json's
     assert stats.annotated == [shard_id] and read_part(store, shard_id)[1].top_k == 4
-    assert store.require_run().required_teachers() == ["teacher"]
+    assert store.manifest.require().required_teachers() == ["teacher"]
 
 
 # ---------------------------------------------------------------- bad input
@@ -361,13 +367,13 @@ def test_tokenizer_mismatch_names_both_models_and_the_first_differing_token(stor
     write_shards(store, 1)
 
     low = min(vocab["a"], vocab["b"])
-    student = store.require_run()["student"]
+    student = store.manifest.require()["student"]
     with pytest.raises(ValueError) as err:
         Annotator(store, config(teacher), progress=False)
     message = str(err.value)
     assert str(teacher) in message and student in message
     assert f"id {low} is" in message and "'a'" in message and "'b'" in message
-    assert store.list_annotated_parts() == {} and "teachers" not in store.require_run()  # nothing done
+    assert store.shards.annotated_parts() == {} and "teachers" not in store.manifest.require()  # nothing done
 
 
 def test_top_k_larger_than_the_vocabulary_is_refused(store, teacher_path):
@@ -375,12 +381,12 @@ def test_top_k_larger_than_the_vocabulary_is_refused(store, teacher_path):
         ValueError, match=rf"--top-k 100 is larger than the vocabulary of teacher .* \({VOCAB} tokens\)"
     ):
         Annotator(store, config(teacher_path, top_k=100), progress=False)
-    assert "top_k" not in store.require_run()
+    assert "top_k" not in store.manifest.require()
 
 
 def test_corrupt_rollout_shard_is_quarantined_and_the_worker_goes_on(store, teacher_path):
     shard_ids = write_shards(store, 3, num_rows=3)
-    bad = store.rollout_path(shard_ids[1])
+    bad = layout.rollout_path(shard_ids[1])
     data = store.read_bytes(bad)
     store.write_bytes(bad, data[: len(data) // 2])  # truncated
     stats = annotate(store, config(teacher_path, top_k=4), progress=False)
@@ -396,10 +402,10 @@ def test_corrupt_rollout_shard_is_quarantined_and_the_worker_goes_on(store, teac
 
 def test_token_ids_outside_the_vocabulary_are_quarantined(store, teacher_path):
     (shard_id,) = write_shards(store, 1)
-    rollout, meta = read_shard(store, store.rollout_path(shard_id))
+    rollout, meta = read_shard(store, layout.rollout_path(shard_id))
     huge = pa.array([[5, 200]] + [[1]] * (rollout.num_rows - 1), pa.list_(pa.int32()))  # a valid shard, bad ids
     column = rollout.schema.get_field_index("prompt_ids")
-    write_shard(store, store.rollout_path(shard_id), rollout.set_column(column, "prompt_ids", huge), meta)
+    write_shard(store, layout.rollout_path(shard_id), rollout.set_column(column, "prompt_ids", huge), meta)
     stats = annotate(store, config(teacher_path, top_k=4), progress=False)
     assert stats.quarantined == [shard_id]
     assert "column 'prompt_ids' holds token id 200, outside the vocabulary 0..98" in next(
@@ -418,7 +424,7 @@ def test_cli_annotates_and_reports_errors_in_one_line(store, teacher_path):
     )
     assert result.exit_code == 0, result.output
     assert "annotated 1 shards" in result.output
-    assert len(store.list_annotated_parts()) == 1
+    assert len(store.shards.annotated_parts()) == 1
 
     result = runner.invoke(
         app,

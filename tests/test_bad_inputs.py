@@ -31,8 +31,8 @@ from typer.testing import CliRunner
 import opd_cache.cli  # noqa: F401  (registers every command on `app`)
 from opd_cache.cli.common import app
 from opd_cache.losses import LOSSES, POLICY_GRADIENT
-from opd_cache.schema import ROLLOUT, read_shard, write_shard
-from opd_cache.store import Store
+from opd_cache.storage.schema import ROLLOUT, read_shard, write_shard
+from opd_cache.storage.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 STUDENT = REPO / "data" / "models" / "student"

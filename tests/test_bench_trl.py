@@ -10,7 +10,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_trl  # noqa: E402
 
-from opd_cache.demo import demo_config  # noqa: E402
+from opd_cache.launch.demo import demo_config  # noqa: E402
 from opd_cache.rollout.prompt_stream import epoch_order  # noqa: E402
 from opd_cache.tasks.prompts import load_prompts  # noqa: E402
 from opd_cache.tokenizer import load_tokenizer  # noqa: E402

@@ -6,7 +6,8 @@ import json
 import subprocess
 import sys
 
-from opd_cache.store import Store
+from opd_cache.storage import layout
+from opd_cache.storage.store import Store
 from opd_cache.testing import write_annotated_part
 from tests.conftest import write_random_rollout_shard
 
@@ -38,7 +39,7 @@ def test_help_lists_every_stage():
 def test_inspect_json_and_text(tmp_path):
     store = Store(tmp_path / "store")
     table = write_random_rollout_shard(store, shard_id="v000001-w00-000004", num_rows=3, max_response=5, seed=1)
-    path = str(store.local_path(store.rollout_path("v000001-w00-000004")))
+    path = str(store.local_path(layout.rollout_path("v000001-w00-000004")))
     out = opd("inspect", path, "--json")
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
@@ -61,7 +62,7 @@ def test_inspect_bad_shard_is_one_line_error(tmp_path):
 def test_inspect_per_token_view_shows_teacher_student_gap(tmp_path):
     import numpy as np
 
-    from opd_cache.schema import annotated_table, list_lengths
+    from opd_cache.storage.schema import annotated_table, list_lengths
 
     store = Store(tmp_path / "store")
     shard = "v000000-w00-000000"
@@ -76,14 +77,14 @@ def test_inspect_per_token_view_shows_teacher_student_gap(tmp_path):
         topk_logprobs=np.full((total, 4), -1.5),
         token_logprob=teacher_lp,
     )
-    write_annotated_part(store, store.read_run(), shard, "teacher", part, top_k=4)
+    write_annotated_part(store, store.manifest.read(), shard, "teacher", part, top_k=4)
     row = int(np.argmax(lengths))
-    out = opd("inspect", str(store.local_path(store.rollout_path(shard))), "--sample", str(row))
+    out = opd("inspect", str(store.local_path(layout.rollout_path(shard))), "--sample", str(row))
     assert out.returncode == 0, out.stderr
     assert "per-token view, teacher 'teacher'" in out.stdout
     student_lp = table["behavior_logprobs"][row].as_py()[0]
     assert f"{-7.25 - student_lp:+.3f}" in out.stdout  # the gap of the first token
-    bad = opd("inspect", str(store.local_path(store.rollout_path(shard))), "--teacher", "nobody")
+    bad = opd("inspect", str(store.local_path(layout.rollout_path(shard))), "--teacher", "nobody")
     assert bad.returncode == 2 and "--teacher nobody: shard v000000-w00-000000 has parts from ['teacher']" in bad.stderr
 
 
@@ -91,7 +92,7 @@ def _rollout_and_part(store: Store, shard: str, run: dict):
     """A rollout shard and the teacher part that scores it (random ids inside the shipped tokenizer)."""
     import numpy as np
 
-    from opd_cache.schema import annotated_table, list_lengths
+    from opd_cache.storage.schema import annotated_table, list_lengths
 
     table = write_random_rollout_shard(store, shard_id=shard, num_rows=3, max_response=6, seed=3, run=run)
     lengths = list_lengths(table["response_ids"])
@@ -112,13 +113,13 @@ def test_inspect_annotated_part_decodes_text_with_the_runs_tokenizer(tmp_path, t
     import numpy as np
 
     store = Store(tmp_path / "store")
-    run = store.ensure_run(student=str(tokenizer_path), tokenizer_fingerprint="fp-test")  # the tokenizer's folder
+    run = store.manifest.ensure(student=str(tokenizer_path), tokenizer_fingerprint="fp-test")  # the tokenizer's folder
     shard = "v000000-w00-000000"
     table, part = _rollout_and_part(store, shard, run)
     row = int(np.argmax([len(r) for r in table["response_ids"].to_pylist()]))
     response = tokenizer.decode(table["response_ids"][row].as_py(), skip_special_tokens=False)
     prompt = tokenizer.decode(table["prompt_ids"][row].as_py(), skip_special_tokens=False)
-    part_path = str(store.local_path(store.annotated_path(shard, "teacher")))
+    part_path = str(store.local_path(layout.annotated_path(shard, "teacher")))
 
     out = opd("inspect", part_path, "--sample", str(row))
     assert out.returncode == 0, out.stderr
@@ -128,7 +129,7 @@ def test_inspect_annotated_part_decodes_text_with_the_runs_tokenizer(tmp_path, t
     assert f"{first_alternative!r} 0.22" in out.stdout  # exp(-1.5): the teacher's top ids decoded too
 
     # without its rollout shard, the part's own ids are decoded: the teacher's first choice at each position
-    store.delete(store.rollout_path(shard))
+    store.delete(layout.rollout_path(shard))
     out = opd("inspect", part_path, "--sample", str(row))
     assert out.returncode == 0, out.stderr
     top1 = [ids[0] for ids in part["teacher_topk_ids"][row].as_py()]
@@ -138,7 +139,7 @@ def test_inspect_annotated_part_decodes_text_with_the_runs_tokenizer(tmp_path, t
 def test_inspect_prints_every_metadata_key_of_the_shard(tmp_path):
     from dataclasses import dataclass
 
-    from opd_cache.schema import ROLLOUT, ShardMeta, read_shard, write_shard
+    from opd_cache.storage.schema import ROLLOUT, ShardMeta, read_shard, write_shard
 
     @dataclass
     class MetaFromAFutureStage(ShardMeta):  # a key this version of inspect has never heard of
@@ -146,10 +147,10 @@ def test_inspect_prints_every_metadata_key_of_the_shard(tmp_path):
             return {**super().to_metadata(), b"opd.some_new_key": b"its value"}
 
     store = Store(tmp_path / "store")
-    run = store.ensure_run(student="student", tokenizer_fingerprint="fp-test")
+    run = store.manifest.ensure(student="student", tokenizer_fingerprint="fp-test")
     write_random_rollout_shard(store, shard_id="v000000-w00-000000", num_rows=2, run=run)
-    table, _ = read_shard(store, store.rollout_path("v000000-w00-000000"))
-    rel = store.rollout_path("v000000-w00-000001")
+    table, _ = read_shard(store, layout.rollout_path("v000000-w00-000000"))
+    rel = layout.rollout_path("v000000-w00-000001")
     write_shard(
         store,
         rel,
@@ -174,9 +175,9 @@ def test_inspect_prints_every_metadata_key_of_the_shard(tmp_path):
 
 def test_inspect_of_a_directory_says_so(tmp_path):
     store = Store(tmp_path / "store")
-    run = store.ensure_run(student="student", tokenizer_fingerprint="fp-test")
+    run = store.manifest.ensure(student="student", tokenizer_fingerprint="fp-test")
     _rollout_and_part(store, "v000000-w00-000000", run)
-    folder = store.local_path(store.annotated_path("v000000-w00-000000", "teacher")).parent
+    folder = store.local_path(layout.annotated_path("v000000-w00-000000", "teacher")).parent
     out = opd("inspect", str(folder))
     assert out.returncode == 2
     assert (

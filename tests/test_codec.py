@@ -1,4 +1,4 @@
-"""The `packed` annotation codec (opd_cache/codec.py).
+"""The `packed` annotation codec (opd_cache/storage/codec.py).
 
 Round trips are checked entry by entry against the bound stated in the codec's
 docstring (entries come back in rank order, so rows are compared as sets of
@@ -19,13 +19,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from opd_cache import codec, quantize, schema
 from opd_cache.annotate import annotate
 from opd_cache.config import AnnotateConfig
 from opd_cache.losses import LossConfig, token_losses
 from opd_cache.models import build_tiny_model, load_causal_lm
-from opd_cache.schema import ANNOTATED, ShardError, ShardMeta, annotated_table, read_shard, write_shard
-from opd_cache.store import Store, make_shard_id
+from opd_cache.storage import codec, layout, quantize, schema
+from opd_cache.storage.schema import ANNOTATED, ShardError, ShardMeta, annotated_table, read_shard, write_shard
+from opd_cache.storage.store import Store, make_shard_id
 from opd_cache.tokenizer import load_tokenizer
 from opd_cache.train.shard_data import load_shard
 from tests.conftest import REPO, write_random_rollout_shard
@@ -166,7 +166,7 @@ def packed_part(store, rng, k: int = 4, rows: int = 5):
     """A packed annotated table and its metadata, from random plain columns."""
     plain = plain_part(rng, k, rows)
     table, codec_meta = codec.encode_annotation(plain, VOCAB)
-    run = store.require_run()
+    run = store.manifest.require()
     meta = ShardMeta(
         kind=ANNOTATED,
         run_id=run["run_id"],
@@ -226,7 +226,7 @@ def test_a_packed_part_reads_back_as_its_plain_columns(student_store, k, layout)
     assert layout in children(table)  # a bitmap when ceil(V/8) bytes beat k ids at ceil(log2 V) bits
     assert "range_level" in children(table)
     write_shard(student_store, "annotated/p.arrow", table, meta)
-    got, got_meta = read_shard(student_store, "annotated/p.arrow", kind=ANNOTATED, run=student_store.require_run())
+    got, got_meta = read_shard(student_store, "annotated/p.arrow", kind=ANNOTATED, run=student_store.manifest.require())
     assert (got_meta.codec, got_meta.codec_id_bits) == ("packed", 7)
     assert_decodes_within_bound(got, plain)
 
@@ -321,9 +321,9 @@ def test_annotate_with_codec_packed_writes_columns_that_decode_to_the_plain_anno
         max_response=16,
         vocab_size=VOCAB,
         seed=3,
-        run=student_store.require_run(),
+        run=student_store.manifest.require(),
     )
-    part = student_store.annotated_path(shard_id, "teacher")
+    part = layout.annotated_path(shard_id, "teacher")
     annotate(student_store, AnnotateConfig(teacher=str(teacher), top_k=8), progress=False)
     plain, _ = read_shard(student_store, part)
     plain_bytes = student_store.fs.get_file_info(student_store.path(part)).size
@@ -335,12 +335,12 @@ def test_annotate_with_codec_packed_writes_columns_that_decode_to_the_plain_anno
     assert raw.schema.metadata[b"opd.codec"] == b"packed" and raw.schema.metadata[b"opd.codec_id_bits"] == b"7"
     assert student_store.fs.get_file_info(student_store.path(part)).size < 0.6 * plain_bytes  # k=8, V=99
 
-    got, meta = read_shard(student_store, part, kind=ANNOTATED, run=student_store.require_run())
+    got, meta = read_shard(student_store, part, kind=ANNOTATED, run=student_store.manifest.require())
     assert meta.codec == "packed"
     assert_decodes_within_bound(got, plain)
 
     # the trainer's reader gets the same decoded tensors
-    data = load_shard(student_store, student_store.require_run(), shard_id, ["teacher"])
+    data = load_shard(student_store, student_store.manifest.require(), shard_id, ["teacher"])
     np.testing.assert_array_equal(data.topk_ids, schema.flat_values(got["teacher_topk_ids"]))
     np.testing.assert_array_equal(data.topk_logprobs, schema.flat_values(got["teacher_topk_logprobs"]))
     np.testing.assert_array_equal(data.token_logprob, schema.flat_values(got["teacher_token_logprob"]))
@@ -477,7 +477,7 @@ def test_a_packed_part_keeps_the_support_log_probs_beside_its_struct(student_sto
     assert table.schema.names == ["sample_id", codec.PACKED, "teacher_support_logprobs"]
     _, _, meta = packed_part(student_store, rng, k=8)
     write_shard(student_store, "annotated/s.arrow", table, meta)
-    got, _ = read_shard(student_store, "annotated/s.arrow", kind=ANNOTATED, run=student_store.require_run())
+    got, _ = read_shard(student_store, "annotated/s.arrow", kind=ANNOTATED, run=student_store.manifest.require())
     assert got["teacher_support_logprobs"].equals(plain["teacher_support_logprobs"])
     assert_decodes_within_bound(
         got.drop_columns(["teacher_support_logprobs"]), plain.drop_columns(["teacher_support_logprobs"])

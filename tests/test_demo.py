@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from opd_cache import demo_assets
-from opd_cache.demo import check_demo_imports, clear_demo_outputs, demo_config
+from opd_cache.launch import demo_assets
+from opd_cache.launch.demo import check_demo_imports, clear_demo_outputs, demo_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -144,7 +144,7 @@ import json, sys
 from pathlib import Path
 from rich.console import Console
 import opd_cache
-from opd_cache.demo import demo_config, ensure_demo_models
+from opd_cache.launch.demo import demo_config, ensure_demo_models
 from opd_cache.models import load_causal_lm
 from opd_cache.tasks.prompts import load_prompts
 from opd_cache.tokenizer import load_tokenizer
@@ -273,7 +273,7 @@ def test_the_demo_with_the_packed_codec_passes_its_bar(tmp_path):
     """Issue #15: training from `annotate.codec: packed` annotations (decoded in the trainer's reader) reaches the
     demo's bar, and every part on the store is a codec-version-3 packed part."""
     from opd_cache.cli.inspect import summarize_store
-    from opd_cache.store import Store
+    from opd_cache.storage.store import Store
 
     out = tmp_path / "demo"
     result = subprocess.run(

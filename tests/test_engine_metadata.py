@@ -12,7 +12,8 @@ import transformers
 from opd_cache.annotate import annotate
 from opd_cache.config import AnnotateConfig, RolloutConfig, SamplingConfig
 from opd_cache.rollout import run_rollout
-from opd_cache.schema import ANNOTATED, ROLLOUT, read_shard
+from opd_cache.storage import layout
+from opd_cache.storage.schema import ANNOTATED, ROLLOUT, read_shard
 from tests.test_cli_inspect import opd
 from tests.test_rollout import questions, write_prompts
 
@@ -37,14 +38,14 @@ def test_rollout_and_annotate_shards_name_their_engine_and_dtype(tiny_model_fact
         annotate(local_store, AnnotateConfig(teacher=str(teacher), top_k=4, model_dtype="bfloat16"), progress=False)
     finally:
         torch.set_num_threads(threads)
-    (info,) = local_store.list_rollout_shards()
+    (info,) = local_store.shards.rollouts()
     _, rollout_meta = read_shard(local_store, info.path, kind=ROLLOUT)
     assert (rollout_meta.engine, rollout_meta.engine_version, rollout_meta.model_dtype) == (
         "hf",
         transformers.__version__,
         "float32",
     )
-    part_path = local_store.annotated_path(info.shard_id, "teacher")
+    part_path = layout.annotated_path(info.shard_id, "teacher")
     table, part_meta = read_shard(local_store, part_path, kind=ANNOTATED)
     assert (part_meta.engine, part_meta.model_dtype) == ("hf", "bfloat16")  # the teacher ran in bfloat16
     assert table.schema.metadata[b"opd.engine"] == b"hf" and table.schema.metadata[b"opd.model_dtype"] == b"bfloat16"

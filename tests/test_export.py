@@ -17,8 +17,9 @@ import torch
 
 from opd_cache.annotate import annotate
 from opd_cache.config import AnnotateConfig
-from opd_cache.schema import ANNOTATED, ROLLOUT, read_shard, rollout_table
-from opd_cache.store import Store, make_shard_id
+from opd_cache.storage import layout
+from opd_cache.storage.schema import ANNOTATED, ROLLOUT, read_shard, rollout_table
+from opd_cache.storage.store import Store, make_shard_id
 from opd_cache.testing import write_annotated_part, write_rollout_shard
 from opd_cache.tokenizer import tokenizer_fingerprint
 from tests.test_cli_inspect import opd
@@ -38,7 +39,7 @@ def annotated_store(tmp_path_factory, tiny_model_factory, tokenizer) -> Store:
     try:
         store = Store(tmp_path_factory.mktemp("export") / "store")
         student = tiny_model_factory("student", seed=0)  # a folder with the tokenizer: what text decodes with
-        run = store.ensure_run(
+        run = store.manifest.ensure(
             student=str(student), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer)
         )
         for n, (shard_id, sources) in enumerate(SOURCES.items()):
@@ -101,15 +102,15 @@ def packed_copy(source: Store, dst: Path, damage=None) -> Store:
 
     import pyarrow as pa
 
-    from opd_cache import codec, schema
+    from opd_cache.storage import codec, schema
 
     shutil.copytree(source.root, dst)
     store = Store(dst)
-    vocab = store.require_run().vocab_size
+    vocab = store.manifest.require().vocab_size
     first = True
-    for shard in store.list_rollout_shards():
+    for shard in store.shards.rollouts():
         for teacher in ("tA", "tB"):
-            rel = store.annotated_path(shard.shard_id, teacher)
+            rel = layout.annotated_path(shard.shard_id, teacher)
             plain, meta = read_shard(store, rel)
             table, codec_meta = codec.encode_annotation(plain, vocab)
             meta = dataclasses.replace(meta, codec="packed", codec_id_bits=int(codec_meta[codec.META_ID_BITS]))
@@ -129,10 +130,10 @@ def packed_copy(source: Store, dst: Path, damage=None) -> Store:
 def expected_rows(store: Store, teacher: str, tokenizer) -> list[dict]:
     """What the export must hold for `teacher`, built directly from the shards (rollout order, shard order)."""
     rows = []
-    run = store.require_run()
-    for shard in store.list_rollout_shards():
+    run = store.manifest.require()
+    for shard in store.shards.rollouts():
         rollout = {r["sample_id"]: r for r in read_shard(store, shard.path, kind=ROLLOUT, run=run)[0].to_pylist()}
-        part, meta = read_shard(store, store.annotated_path(shard.shard_id, teacher), kind=ANNOTATED, run=run)
+        part, meta = read_shard(store, layout.annotated_path(shard.shard_id, teacher), kind=ANNOTATED, run=run)
         for ann in part.to_pylist():
             r = rollout[ann["sample_id"]]
             rows.append(
@@ -167,7 +168,7 @@ def test_parquet_export_equals_the_shards_in_datasets_polars_and_duckdb(annotate
     assert store_hashes(annotated_store) == before  # the store is only read
     assert "export: 3/3 shards" in out.stderr  # not a terminal: plain progress lines
     manifest = json.loads((tmp_path / "out" / "export.json").read_text())
-    assert manifest["run_id"] == annotated_store.require_run()["run_id"]
+    assert manifest["run_id"] == annotated_store.manifest.require()["run_id"]
 
     for teacher in ("tA", "tB"):
         expected = expected_rows(annotated_store, teacher, tokenizer)
@@ -228,7 +229,7 @@ def test_arrow_export_loads_like_the_parquet_one(annotated_store, tmp_path, toke
 def test_export_refusals_are_one_line_and_write_nothing(annotated_store, tmp_path, tokenizer_path):
     # a store with rollouts but no annotations
     bare = Store(tmp_path / "bare")
-    run = bare.ensure_run(student=str(tokenizer_path), tokenizer_fingerprint="fp")
+    run = bare.manifest.ensure(student=str(tokenizer_path), tokenizer_fingerprint="fp")
     write_rollout(bare, run, make_shard_id(0, "w00", 0), ["math"], seed=0)
     out = opd("export", bare.uri, "--to", str(tmp_path / "a"))
     assert out.returncode == 2
@@ -263,12 +264,12 @@ def test_export_refusals_are_one_line_and_write_nothing(annotated_store, tmp_pat
 
     # a student that is a hub id: text is never fetched from a hub
     hub = Store(tmp_path / "hub")
-    run = hub.ensure_run(student="HuggingFaceTB/SmolLM2-135M", tokenizer_fingerprint="fp")
+    run = hub.manifest.ensure(student="HuggingFaceTB/SmolLM2-135M", tokenizer_fingerprint="fp")
     (tmp_path / "hub" / "run.json").write_text(
-        json.dumps({**annotated_store.require_run(), "student": "HuggingFaceTB/SmolLM2-135M"})
+        json.dumps({**annotated_store.manifest.require(), "student": "HuggingFaceTB/SmolLM2-135M"})
     )
-    for shard in annotated_store.list_rollout_shards():
-        for rel in [shard.path] + [annotated_store.annotated_path(shard.shard_id, t) for t in ("tA", "tB")]:
+    for shard in annotated_store.shards.rollouts():
+        for rel in [shard.path] + [layout.annotated_path(shard.shard_id, t) for t in ("tA", "tB")]:
             hub.write_bytes(rel, annotated_store.read_bytes(rel))
     out = opd("export", hub.uri, "--to", str(tmp_path / "b"))
     assert out.returncode == 2
@@ -289,21 +290,21 @@ def test_export_refusals_are_one_line_and_write_nothing(annotated_store, tmp_pat
 
 
 def test_inspect_store_summarizes_the_cache(annotated_store, tmp_path, tokenizer_path):
-    run = annotated_store.require_run()
+    run = annotated_store.manifest.require()
     before = store_hashes(annotated_store)
     info = json.loads(opd("inspect", annotated_store.uri, "--json").stdout)
     assert store_hashes(annotated_store) == before
-    rollouts = [read_shard(annotated_store, s.path)[0] for s in annotated_store.list_rollout_shards()]
+    rollouts = [read_shard(annotated_store, s.path)[0] for s in annotated_store.shards.rollouts()]
     assert info["run_id"] == run["run_id"] and info["policy_versions"] == [0, 1]
     assert info["rollouts"] == {
         "shards": 3,
         "rows": 11,
-        "bytes": sum(s.size for s in annotated_store.list_rollout_shards()),
+        "bytes": sum(s.size for s in annotated_store.shards.rollouts()),
         "response_tokens": sum(len(r) for t in rollouts for r in t["response_ids"].to_pylist()),
     }
     lines = opd("inspect", annotated_store.uri).stdout.splitlines()
     for teacher in ("tA", "tB"):
-        rels = [annotated_store.annotated_path(s.shard_id, teacher) for s in annotated_store.list_rollout_shards()]
+        rels = [layout.annotated_path(s.shard_id, teacher) for s in annotated_store.shards.rollouts()]
         parts = [read_shard(annotated_store, rel)[0] for rel in rels]
         size = sum((Path(annotated_store.root) / rel).stat().st_size for rel in rels)
         tokens = sum(len(r) for p in parts for r in p["teacher_token_logprob"].to_pylist())
@@ -325,7 +326,7 @@ def test_inspect_store_summarizes_the_cache(annotated_store, tmp_path, tokenizer
         )
 
     bare = Store(tmp_path / "bare")
-    run = bare.ensure_run(student=str(tokenizer_path), tokenizer_fingerprint="fp")
+    run = bare.manifest.ensure(student=str(tokenizer_path), tokenizer_fingerprint="fp")
     write_rollout(bare, run, make_shard_id(2, "w00", 0), ["math"], seed=0)
     out = opd("inspect", bare.uri)
     assert out.returncode == 0, out.output
@@ -358,11 +359,11 @@ def test_float16_parts_are_exported_widened_and_inspect_names_their_dtype(tmp_pa
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from opd_cache.schema import annotated_table, list_lengths
+    from opd_cache.storage.schema import annotated_table, list_lengths
     from tests.conftest import write_random_rollout_shard
 
     store = Store(tmp_path / "store")
-    run = store.ensure_run(student="student", tokenizer_fingerprint="fp-test")
+    run = store.manifest.ensure(student="student", tokenizer_fingerprint="fp-test")
     shard = make_shard_id(0, "w00", 0)
     table = write_random_rollout_shard(store, shard_id=shard, num_rows=3, max_response=5, seed=4, run=run)
     lengths = list_lengths(table["response_ids"])

@@ -19,13 +19,13 @@ import torch
 from typer.testing import CliRunner
 
 import opd_cache.cli  # noqa: F401  (registers every command on `app`)
-from opd_cache import integrity
 from opd_cache.cli.common import app
 from opd_cache.config import AnnotateConfig
 from opd_cache.models import build_tiny_model, load_causal_lm, save_causal_lm
 from opd_cache.rollout.policy import CorruptPolicyError, PolicyFiles
-from opd_cache.schema import ROLLOUT, CorruptShardError, ShardMeta, read_shard
-from opd_cache.store import Store, make_shard_id
+from opd_cache.storage import integrity, layout
+from opd_cache.storage.schema import ROLLOUT, CorruptShardError, ShardMeta, read_shard
+from opd_cache.storage.store import Store, make_shard_id
 from opd_cache.testing import write_synthetic_shard
 from opd_cache.tokenizer import tokenizer_fingerprint
 from opd_cache.train import train
@@ -65,7 +65,7 @@ def make_store(
 ) -> Store:
     """Shards v000000-w00-00000{0..}, annotated by the tiny teacher; `skip` names files never written."""
     store = Store(root)
-    run = store.ensure_run(
+    run = store.manifest.ensure(
         student=str(student_path),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         vocab_size=len(tokenizer),
@@ -86,7 +86,7 @@ def make_store(
             teachers={"teacher": teacher},
             behavior=behavior,
         )
-        for rel in (store.rollout_path(shard_id), store.annotated_path(shard_id, "teacher")):
+        for rel in (layout.rollout_path(shard_id), layout.annotated_path(shard_id, "teacher")):
             if rel in skip:
                 store.delete(rel)
     return store
@@ -114,12 +114,12 @@ def quarantine_reason(store: Store, rel: str) -> str:
 @pytest.mark.parametrize("how", DAMAGE)
 @pytest.mark.parametrize("kind", ["rollout", "annotated"])
 def test_damaged_shard_is_refused_with_a_message_naming_it(local_store, how, kind):
-    run = local_store.ensure_run(student="s", tokenizer_fingerprint="fp")
+    run = local_store.manifest.ensure(student="s", tokenizer_fingerprint="fp")
     write_synthetic_shard(local_store, run, "v000000-w00-000000", num_rows=16, vocab_size=50, top_k=4)
     rel = (
-        local_store.rollout_path("v000000-w00-000000")
+        layout.rollout_path("v000000-w00-000000")
         if kind == "rollout"
-        else local_store.annotated_path("v000000-w00-000000", "teacher")
+        else layout.annotated_path("v000000-w00-000000", "teacher")
     )
     read_shard(local_store, rel)  # control: intact, it reads
     path = local_store.local_path(rel)
@@ -144,7 +144,7 @@ def test_damaged_shard_is_refused_with_a_message_naming_it(local_store, how, kin
 
 def test_checksum_message_says_stored_and_computed(local_store):
     write_random_rollout_shard(local_store, shard_id="v000000-w00-000000", num_rows=8)
-    rel = local_store.rollout_path("v000000-w00-000000")
+    rel = layout.rollout_path("v000000-w00-000000")
     path = local_store.local_path(rel)
     stored = path.read_bytes()[-integrity.TRAILER_SIZE : -16][::-1].hex()  # the trailer's little-endian checksum
     flip_bytes(path, path.stat().st_size // 2, count=64)
@@ -159,7 +159,7 @@ def test_trailer_is_invisible_to_other_arrow_readers(local_store):
     import datasets
 
     table = write_random_rollout_shard(local_store, shard_id="v000000-w00-000000", num_rows=5)
-    path = local_store.local_path(local_store.rollout_path("v000000-w00-000000"))
+    path = local_store.local_path(layout.rollout_path("v000000-w00-000000"))
     assert path.read_bytes().endswith(integrity.TRAILER_MAGIC)
     assert pa.ipc.open_stream(str(path)).read_all().equals(table.replace_schema_metadata(None), check_metadata=False)
     assert datasets.Dataset.from_file(str(path))["sample_id"] == table["sample_id"].to_pylist()
@@ -167,7 +167,7 @@ def test_trailer_is_invisible_to_other_arrow_readers(local_store):
 
 def test_old_shards_without_checksum_read_with_one_warning(local_store, capsys, monkeypatch):
     monkeypatch.setattr(integrity, "_warned", set())
-    run = local_store.ensure_run(student="s", tokenizer_fingerprint="fp")
+    run = local_store.manifest.ensure(student="s", tokenizer_fingerprint="fp")
     for seq in range(2):  # written as opd_cache wrote shards before checksums: a bare Arrow stream
         shard_id = make_shard_id(0, "w00", seq)
         table = write_random_rollout_shard(local_store, shard_id=shard_id, run=run)
@@ -175,13 +175,13 @@ def test_old_shards_without_checksum_read_with_one_warning(local_store, capsys, 
             kind=ROLLOUT, run_id=run["run_id"], tokenizer_fingerprint="fp", shard_id=shard_id, policy_version=0
         )
         with pa.ipc.new_stream(
-            str(local_store.local_path(local_store.rollout_path(shard_id))),
+            str(local_store.local_path(layout.rollout_path(shard_id))),
             table.schema.with_metadata(meta.to_metadata()),
         ) as writer:
             writer.write_table(table)
     capsys.readouterr()
     for seq in range(2):
-        assert read_shard(local_store, local_store.rollout_path(make_shard_id(0, "w00", seq)))[0].num_rows == 4
+        assert read_shard(local_store, layout.rollout_path(make_shard_id(0, "w00", seq)))[0].num_rows == 4
     err = capsys.readouterr().err
     assert err.count("has no checksum (written before opd_cache recorded them)") == 1, err
     result = verify(local_store)
@@ -220,7 +220,7 @@ def test_damaged_annotated_part_is_quarantined_never_trained_and_rescored(
 ):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher_path)
     shard_id = make_shard_id(0, "w00", 1)
-    rel = store.annotated_path(shard_id, "teacher")
+    rel = layout.annotated_path(shard_id, "teacher")
     damage(store.local_path(rel), how, seed=DAMAGE.index(how))
     result = train(config(store, max_steps=3, lr=3e-3))
     assert result.stopped == "no more admissible data" and result.trained_samples == 16  # the two intact shards
@@ -252,7 +252,7 @@ def test_damaged_rollout_shard_is_quarantined_and_its_rows_counted_as_lost(
 ):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher_path)
     shard_id = make_shard_id(0, "w00", 1)
-    rel = store.rollout_path(shard_id)
+    rel = layout.rollout_path(shard_id)
     damage(store.local_path(rel), how, seed=10 + DAMAGE.index(how))
     result = train(config(store, max_steps=3, lr=3e-3))
     assert result.trained_samples == 16
@@ -361,8 +361,8 @@ def test_verify_reports_each_damaged_file_and_exits_non_zero(tmp_path, student_p
     assert re.search(r": (\d+) ok, 0 corrupt, 0 missing, 0 without checksum", summary), summary
 
     damaged = [
-        store.rollout_path(make_shard_id(0, "w00", 0)),
-        store.annotated_path(make_shard_id(0, "w00", 2), "teacher"),
+        layout.rollout_path(make_shard_id(0, "w00", 0)),
+        layout.annotated_path(make_shard_id(0, "w00", 2), "teacher"),
         "policy/v000001/model.safetensors",
         "train/state/step-000002/trainer.json",
     ]
@@ -382,12 +382,12 @@ def test_verify_reports_each_damaged_file_and_exits_non_zero(tmp_path, student_p
 
 def test_verify_works_on_s3(s3_store, s3_endpoint, monkeypatch):
     monkeypatch.setenv("OPD_S3_ENDPOINT", s3_endpoint)
-    run = s3_store.ensure_run(student="s", tokenizer_fingerprint="fp")
+    run = s3_store.manifest.ensure(student="s", tokenizer_fingerprint="fp")
     for seq in range(2):
         write_synthetic_shard(s3_store, run, make_shard_id(0, "w00", seq), num_rows=6, vocab_size=40, top_k=4, seed=seq)
     ok = verify(s3_store)
     assert ok.exit_code == 0 and "4 ok, 0 corrupt" in " ".join(ok.output.split()), ok.output
-    rel = s3_store.rollout_path(make_shard_id(0, "w00", 1))
+    rel = layout.rollout_path(make_shard_id(0, "w00", 1))
     data = bytearray(s3_store.read_bytes(rel))
     data[len(data) // 2] ^= 0x40
     s3_store.write_bytes(rel, bytes(data))  # a damaged object (e.g. a faulty copy between buckets)
@@ -405,12 +405,12 @@ def test_damaged_part_of_a_partly_trained_shard_waits_for_annotate(local_store):
 
     from opd_cache.train.stream import StreamEnd
 
-    run = local_store.ensure_run(
+    run = local_store.manifest.ensure(
         student="s", tokenizer_fingerprint="fp", vocab_size=32, top_k=4, teachers={"teacher": "t"}
     )
     shard_id = make_shard_id(0, "w00", 0)
     write_synthetic_shard(local_store, run, shard_id, num_rows=8, vocab_size=32, top_k=4)
-    rel = local_store.annotated_path(shard_id, "teacher")
+    rel = layout.annotated_path(shard_id, "teacher")
     intact = local_store.local_path(rel).read_bytes()
     stream, cache = make_stream(local_store, run, follow=True, poll_seconds=0.02, idle_timeout=30)
     events = []
@@ -445,13 +445,13 @@ def test_damaged_rollout_shard_of_a_partly_trained_shard_loses_only_its_untraine
     """The trainer took rows 0-3 of a shard, then its rollout shard is damaged (found by the trainer itself, or
     by its rollout worker on restart, which quarantines it): rows 4-7 are lost, counted, and the stream goes on."""
 
-    run = local_store.ensure_run(
+    run = local_store.manifest.ensure(
         student="s", tokenizer_fingerprint="fp", vocab_size=32, top_k=4, teachers={"teacher": "t"}
     )
     first, second = make_shard_id(0, "w00", 0), make_shard_id(0, "w00", 1)
     for seed, shard_id in enumerate((first, second)):
         write_synthetic_shard(local_store, run, shard_id, num_rows=8, vocab_size=32, top_k=4, seed=seed)
-    rel = local_store.rollout_path(first)
+    rel = layout.rollout_path(first)
     stream, _ = make_stream(local_store, run)
     events = []
     stream.on_event = events.append
@@ -483,7 +483,7 @@ def test_partly_trained_damaged_shard_with_routing_keeps_every_row_in_the_ledger
     from opd_cache.train.shard_data import ShardCache
     from opd_cache.train.stream import ShardStream, StreamEnd
 
-    run = local_store.ensure_run(
+    run = local_store.manifest.ensure(
         student="s",
         tokenizer_fingerprint="fp",
         vocab_size=32,
@@ -517,7 +517,7 @@ def test_partly_trained_damaged_shard_with_routing_keeps_every_row_in_the_ledger
     first = stream.next_batch(1, 0)
     assert first.sample_ids == [f"{shard_id}-{i}" for i in (0, 1, 3, 4)] and stream.cursor.current_rows == 5
     stream.cache._shards.clear()
-    rel = local_store.rollout_path(shard_id)
+    rel = layout.rollout_path(shard_id)
     flip_bytes(local_store.local_path(rel), local_store.local_path(rel).stat().st_size // 2, count=8)
     assert isinstance(stream.next_batch(2, 0), StreamEnd)  # nothing else to train: the stream ends, no error
     skipped = dict(
@@ -536,7 +536,7 @@ def test_resumed_trainer_loses_the_untrained_rows_of_a_damaged_shard_and_goes_on
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher_path)
     train(config(store, max_steps=1, global_batch_samples=4, save_every=1, lr=3e-3))  # rows 0-3 of shard 0
     shard_id = make_shard_id(0, "w00", 0)
-    rel = store.rollout_path(shard_id)
+    rel = layout.rollout_path(shard_id)
     damage(store.local_path(rel), "middle", seed=30)
     result = train(config(store, max_steps=6, global_batch_samples=4, save_every=1, lr=3e-3))
     assert result.trained_samples == 20  # 4 before the damage, then the two intact shards
@@ -556,7 +556,7 @@ def test_rollout_worker_quarantines_its_damaged_newest_shard_and_samples_its_pro
     tiny_model_factory, tmp_path, capsys
 ):
     from opd_cache.config import RolloutConfig, SamplingConfig
-    from opd_cache.metrics import read_metrics
+    from opd_cache.observe.metrics import read_metrics
     from opd_cache.rollout import run_rollout
     from opd_cache.rollout.resume import resume_point
     from tests.test_rollout import questions, write_prompts
@@ -571,24 +571,24 @@ def test_rollout_worker_quarantines_its_damaged_newest_shard_and_samples_its_pro
         sampling=SamplingConfig(max_new_tokens=4),
     )
     run_rollout(RolloutConfig(**cfg, max_samples=8), store)  # shards 0 and 1: 2 prompts each, cursor 2 and 4
-    run = store.require_run()
+    run = store.manifest.require()
 
     def damage_shard(seq: int) -> tuple[str, Path, str]:
-        rel = store.rollout_path(make_shard_id(0, "w00", seq))
+        rel = layout.rollout_path(make_shard_id(0, "w00", seq))
         path = store.local_path(rel)
         stored = path.read_bytes()[-integrity.TRAILER_SIZE : -16][::-1].hex()
         flip_bytes(path, path.stat().st_size // 2, count=8)
         computed = integrity.checksum(path.read_bytes()[: -integrity.TRAILER_SIZE])
         return rel, path, f"shard {path} failed its checksum (stored {stored}, computed {computed}): quarantined"
 
-    rel = store.rollout_path(make_shard_id(0, "w00", 1))
+    rel = layout.rollout_path(make_shard_id(0, "w00", 1))
     lost_prompts = read_shard(store, rel, kind=ROLLOUT, run=run)[0]["prompt_index"].to_pylist()
     rel, path, message = damage_shard(1)
     capsys.readouterr()
     result = run_rollout(RolloutConfig(**cfg, max_samples=12), store)  # restarts: resumes from shard 0, goes on
     assert message in capsys.readouterr().err.splitlines()
     assert result.shards == [make_shard_id(0, "w00", 2), make_shard_id(0, "w00", 3)]  # seq 1 is never used again
-    again = read_shard(store, store.rollout_path(result.shards[0]), kind=ROLLOUT, run=run)[0]
+    again = read_shard(store, layout.rollout_path(result.shards[0]), kind=ROLLOUT, run=run)[0]
     assert again["prompt_index"].to_pylist() == lost_prompts  # the damaged shard's prompts, sampled again
     assert result.cursor == 6 and result.total_samples == 12
     assert not store.exists(rel)

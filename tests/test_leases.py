@@ -18,9 +18,10 @@ import pytest
 
 from opd_cache.annotate import Annotator
 from opd_cache.annotate.leases import LEASES_DIR, LeaseBook
-from opd_cache.metrics import read_metrics
-from opd_cache.ray_actor import prepare_stage_process
-from opd_cache.schema import ANNOTATED, read_shard
+from opd_cache.launch.ray_actor import prepare_stage_process
+from opd_cache.observe.metrics import read_metrics
+from opd_cache.storage import layout
+from opd_cache.storage.schema import ANNOTATED, read_shard
 from tests.conftest import REPO
 from tests.test_annotate import config, write_shards
 
@@ -122,7 +123,7 @@ def test_three_lease_workers_annotate_every_shard_exactly_once(store, teacher_pa
     annotated = [s for w in workers for s in w.stats.annotated]
     assert sorted(annotated) == shard_ids  # each shard by exactly one worker
     assert sum(1 for w in workers if w.stats.annotated) >= 2  # the work was shared
-    assert store.list_annotated_parts() == {s: {"teacher"} for s in shard_ids}
+    assert store.shards.annotated_parts() == {s: {"teacher"} for s in shard_ids}
     assert lease_files(store) == []
 
 
@@ -141,7 +142,7 @@ import sys, time
 from opd_cache.annotate import Annotator
 from opd_cache.annotate.worker import make_scorer
 from opd_cache.config import AnnotateConfig
-from opd_cache.store import Store
+from opd_cache.storage.store import Store
 
 cfg = AnnotateConfig(teacher=sys.argv[2], top_k=4, worker_id="frozen", lease_seconds=float(sys.argv[3]))
 store = Store(sys.argv[1])
@@ -188,7 +189,7 @@ def test_a_frozen_lease_holder_is_taken_over_and_its_late_result_is_dropped(stor
         taker = Annotator(store, config(teacher_path, top_k=4, worker_id="taker", lease_seconds=lease_seconds))
         assert sorted(taker.run().annotated) == shard_ids  # the frozen one's shard included
         digests = {
-            s: hashlib.sha256(store.read_bytes(store.annotated_path(s, "teacher"))).hexdigest() for s in shard_ids
+            s: hashlib.sha256(store.read_bytes(layout.annotated_path(s, "teacher"))).hexdigest() for s in shard_ids
         }
         os.kill(proc.pid, signal.SIGCONT)  # it finishes scoring, finds its lease taken over, writes nothing
         out, _ = proc.communicate(timeout=120)
@@ -201,11 +202,11 @@ def test_a_frozen_lease_holder_is_taken_over_and_its_late_result_is_dropped(stor
     frozen = read_metrics(store)["annotate-frozen"]
     assert [r["event"] for r in frozen] == ["lease_lost"]
     # one part per shard, each the taker's bytes, complete and valid
-    assert store.list_annotated_parts() == {s: {"teacher"} for s in shard_ids}
+    assert store.shards.annotated_parts() == {s: {"teacher"} for s in shard_ids}
     for s in shard_ids:
-        rel = store.annotated_path(s, "teacher")
+        rel = layout.annotated_path(s, "teacher")
         assert hashlib.sha256(store.read_bytes(rel)).hexdigest() == digests[s]
-        read_shard(store, rel, kind=ANNOTATED, run=store.require_run())
+        read_shard(store, rel, kind=ANNOTATED, run=store.manifest.require())
     assert lease_files(store) == []
 
 
@@ -226,7 +227,7 @@ def test_an_interrupted_holder_releases_its_lease_at_once(store, teacher_path):
             proc.wait()
     assert "KeyboardInterrupt" in out.decode()
     assert lease_files(store) == []  # released, not left to expire
-    assert not store.list_annotated_parts()  # its shard was dropped, not half-published
+    assert not store.shards.annotated_parts()  # its shard was dropped, not half-published
     started = time.monotonic()
     taker = Annotator(store, config(teacher_path, top_k=4, worker_id="taker", lease_seconds=60))
     assert sorted(taker.run().annotated) == shard_ids  # the interrupted one's shard included, no waiting

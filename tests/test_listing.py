@@ -18,7 +18,8 @@ from opd_cache.annotate import Annotator
 from opd_cache.cli import app
 from opd_cache.config import AnnotateConfig
 from opd_cache.rollout.pacing import BacklogGauge
-from opd_cache.store import COMPLETE_MARKER, ShardTally, ShardWatch, Store, StoreError, make_shard_id
+from opd_cache.storage import layout
+from opd_cache.storage.store import COMPLETE_MARKER, ShardTally, ShardWatch, Store, StoreError, make_shard_id
 from opd_cache.testing import CountingFileSystem, write_synthetic_shard
 from opd_cache.tokenizer import tokenizer_fingerprint
 from opd_cache.train.shard_data import ShardCache
@@ -41,9 +42,9 @@ def placeholder_store(root, versions: int, *, annotated_until: int | None = None
     for version in range(versions):
         for worker in WORKERS:
             shard_id = make_shard_id(version, worker, version)
-            placeholder(store, store.rollout_path(shard_id))
+            placeholder(store, layout.rollout_path(shard_id))
             if annotated_until is not None and version < annotated_until:
-                placeholder(store, store.annotated_path(shard_id, "teacher"))
+                placeholder(store, layout.annotated_path(shard_id, "teacher"))
             ids.append(shard_id)
     publish_placeholder_version(store, versions - 1)
     return store, ids
@@ -51,7 +52,7 @@ def placeholder_store(root, versions: int, *, annotated_until: int | None = None
 
 def publish_placeholder_version(store: Store, version: int) -> None:
     if version > 0:
-        placeholder(store, f"{store.policy_dir(version)}/{COMPLETE_MARKER}")
+        placeholder(store, f"{layout.policy_dir(version)}/{COMPLETE_MARKER}")
     store.write_bytes("policy/LATEST", f"{version}\n".encode())
 
 
@@ -66,26 +67,26 @@ def in_versions(ids, versions) -> set[str]:
 # ---------------------------------------------------------------- layout and full listings
 def test_paths_name_the_version_partition_and_full_listings_find_every_shard(tmp_path):
     store, ids = placeholder_store(tmp_path / "s", versions=30, annotated_until=30)
-    assert store.rollout_path("v000007-w02-000117") == "rollouts/v000007/v000007-w02-000117.arrow"
-    assert store.annotated_path("v000007-w02-000117", "t") == "annotated/v000007/v000007-w02-000117/t.arrow"
-    assert [s.shard_id for s in store.list_rollout_shards()] == sorted(ids)  # replay/export/inspect/verify
-    assert store.list_annotated_parts() == {i: {"teacher"} for i in ids}
-    assert ids_of(store.list_rollout_shards([3, 4])) == in_versions(ids, [3, 4])
-    assert set(store.list_annotated_parts(range(28, 31))) == in_versions(ids, [28, 29])
+    assert layout.rollout_path("v000007-w02-000117") == "rollouts/v000007/v000007-w02-000117.arrow"
+    assert layout.annotated_path("v000007-w02-000117", "t") == "annotated/v000007/v000007-w02-000117/t.arrow"
+    assert [s.shard_id for s in store.shards.rollouts()] == sorted(ids)  # replay/export/inspect/verify
+    assert store.shards.annotated_parts() == {i: {"teacher"} for i in ids}
+    assert ids_of(store.shards.rollouts([3, 4])) == in_versions(ids, [3, 4])
+    assert set(store.shards.annotated_parts(range(28, 31))) == in_versions(ids, [28, 29])
     # a shard filed under another version's partition is not that version's shard
     placeholder(store, "rollouts/v000001/v000002-w00-000099.arrow")
-    assert "v000002-w00-000099" not in ids_of(store.list_rollout_shards())
+    assert "v000002-w00-000099" not in ids_of(store.shards.rollouts())
 
 
 def test_flat_layout_of_earlier_versions_is_read_refused_by_stages_and_migrated(tmp_path):
     store = Store(tmp_path / "old")
-    store.ensure_run(student="student", tokenizer_fingerprint="fp")
+    store.manifest.ensure(student="student", tokenizer_fingerprint="fp")
     flat = [make_shard_id(v, "w00", v) for v in range(3)]
     for shard_id in flat:  # what opd_cache wrote before version partitions
         store.write_bytes(f"rollouts/{shard_id}.arrow", shard_id.encode())
         store.write_bytes(f"annotated/{shard_id}/teacher.arrow", b"part " + shard_id.encode())
-    assert [s.path for s in store.list_rollout_shards()] == [f"rollouts/{i}.arrow" for i in flat]
-    assert store.list_annotated_parts() == {i: {"teacher"} for i in flat}
+    assert [s.path for s in store.shards.rollouts()] == [f"rollouts/{i}.arrow" for i in flat]
+    assert store.shards.annotated_parts() == {i: {"teacher"} for i in flat}
     with pytest.raises(StoreError) as refused:
         ShardWatch(store).poll(0, 2)
     assert str(refused.value) == (
@@ -100,9 +101,9 @@ def test_flat_layout_of_earlier_versions_is_read_refused_by_stages_and_migrated(
     result = runner.invoke(app, ["migrate", "--store", store.uri])
     assert result.exit_code == 0, result.output
     assert f"{store.uri}: moved 6 files into version partitions" in result.output
-    assert [s.path for s in store.list_rollout_shards()] == [store.rollout_path(i) for i in flat]
-    assert all(store.read_bytes(store.rollout_path(i)) == i.encode() for i in flat)
-    assert all(store.read_bytes(store.annotated_path(i, "teacher")) == b"part " + i.encode() for i in flat)
+    assert [s.path for s in store.shards.rollouts()] == [layout.rollout_path(i) for i in flat]
+    assert all(store.read_bytes(layout.rollout_path(i)) == i.encode() for i in flat)
+    assert all(store.read_bytes(layout.annotated_path(i, "teacher")) == b"part " + i.encode() for i in flat)
     assert sorted(os.listdir(store.local_path("annotated"))) == ["v000000", "v000001", "v000002"]
     assert ids_of(ShardWatch(store).poll(0, 2)) == set(flat)
     again = runner.invoke(app, ["migrate", "--store", store.uri])
@@ -122,7 +123,7 @@ def test_watch_lists_the_window_the_partitions_leaving_it_and_one_old_partition(
 
     new = [make_shard_id(300, w, 300) for w in WORKERS] + [make_shard_id(301, "w00", 301)]
     for shard_id in new:
-        placeholder(store, store.rollout_path(shard_id))
+        placeholder(store, layout.rollout_path(shard_id))
     # the window moved by two: 297 and 298 get their last listing, then only 299..301 (+ the sweep)
     assert ids_of(watch.poll(299, 301)) == in_versions(ids, [2, 297, 298, 299]) | set(new)
     assert ids_of(watch.poll(299, 301)) == in_versions(ids, [3, 299]) | set(new)
@@ -146,7 +147,7 @@ def test_a_polls_requests_do_not_grow_with_versions_outside_the_window(tmp_path,
     costs = {}
     for versions in (20, 500):
         store, _ = placeholder_store(tmp_path / f"s{versions}", versions, annotated_until=versions - 1)
-        store.ensure_run(
+        store.manifest.ensure(
             student="student",
             tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
             vocab_size=len(tokenizer),
@@ -156,8 +157,8 @@ def test_a_polls_requests_do_not_grow_with_versions_outside_the_window(tmp_path,
         if stage == "trainer":
             stream = ShardStream(
                 store,
-                store.read_run(),
-                ShardCache(store, store.read_run(), ["teacher"]),
+                store.manifest.read(),
+                ShardCache(store, store.manifest.read(), ["teacher"]),
                 max_staleness=2,
                 batch_samples=4,
                 batch_tokens=None,
@@ -187,7 +188,7 @@ def test_a_polls_requests_do_not_grow_with_versions_outside_the_window(tmp_path,
 
 # ---------------------------------------------------------------- each stage finds exactly what it should
 def test_trainer_trains_the_window_expires_the_rest_and_counts_a_shard_published_late(local_store):
-    run = local_store.ensure_run(
+    run = local_store.manifest.ensure(
         student="student", tokenizer_fingerprint="fp-test", vocab_size=32, top_k=4, teachers={"teacher": "t"}
     )
 
@@ -224,7 +225,7 @@ def test_trainer_trains_the_window_expires_the_rest_and_counts_a_shard_published
 
 def test_annotate_finds_the_unannotated_shards_of_its_window_and_of_the_sweep(tmp_path, tiny_model_factory, tokenizer):
     store, ids = placeholder_store(tmp_path / "s", versions=60, annotated_until=58)  # 58, 59 unannotated
-    store.ensure_run(
+    store.manifest.ensure(
         student="student", tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer)
     )
     annotator = Annotator(
@@ -232,9 +233,9 @@ def test_annotate_finds_the_unannotated_shards_of_its_window_and_of_the_sweep(tm
     )
     assert ids_of(annotator.pending_shards()) == in_versions(ids, [58, 59])  # first poll: everything listed
     late = make_shard_id(5, "w09", 1)  # published late into version 5, never annotated
-    placeholder(store, store.rollout_path(late))
+    placeholder(store, layout.rollout_path(late))
     for shard_id in in_versions(ids, [58]):
-        placeholder(store, store.annotated_path(shard_id, "teacher"))
+        placeholder(store, layout.annotated_path(shard_id, "teacher"))
     found_at = None
     for poll in range(1, 60):
         pending = ids_of(annotator.pending_shards())
@@ -253,14 +254,14 @@ def write_rows(store: Store, rel: str, rows: int) -> None:
 def test_backlog_gauge_counts_new_shards_and_late_ones_without_listing_the_history(tmp_path):
     store = Store(tmp_path / "s")
     for version in range(40):
-        write_rows(store, store.rollout_path(make_shard_id(version, "w00", version)), 3)
+        write_rows(store, layout.rollout_path(make_shard_id(version, "w00", version)), 3)
     publish_placeholder_version(store, 39)
     store.write_progress({"consumed_samples": 100, "expired_samples": 5})
     gauge = BacklogGauge(store, window=2)
     assert gauge.backlog() == 40 * 3 - 105
-    write_rows(store, store.rollout_path(make_shard_id(39, "w01", 0)), 7)  # in the window: counted at once
+    write_rows(store, layout.rollout_path(make_shard_id(39, "w01", 0)), 7)  # in the window: counted at once
     assert gauge.backlog() == 40 * 3 + 7 - 105
-    write_rows(store, store.rollout_path(make_shard_id(20, "w02", 0)), 11)  # late: counted once the sweep gets there
+    write_rows(store, layout.rollout_path(make_shard_id(20, "w02", 0)), 11)  # late: counted once the sweep gets there
     polls = 0
     while True:
         polls += 1
@@ -274,12 +275,12 @@ def test_tally_for_the_dashboard_counts_everything_at_the_cost_of_a_window_poll(
     store, ids = placeholder_store(tmp_path / "s", versions=200, annotated_until=199)
     tally = ShardTally(store, window=2)
     shards, parts = tally.poll()
-    assert shards == store.list_rollout_shards() and parts == store.list_annotated_parts()
+    assert shards == store.shards.rollouts() and parts == store.shards.annotated_parts()
     new = make_shard_id(199, "w09", 0)
-    placeholder(store, store.rollout_path(new))
+    placeholder(store, layout.rollout_path(new))
     for shard_id in in_versions(ids, [199]):
-        placeholder(store, store.annotated_path(shard_id, "teacher"))
+        placeholder(store, layout.annotated_path(shard_id, "teacher"))
     requests = count_poll(store, tally.poll)
     shards, parts = tally.shards, tally.parts
-    assert sorted(shards) == sorted([*ids, new]) and parts == store.list_annotated_parts()
+    assert sorted(shards) == sorted([*ids, new]) and parts == store.shards.annotated_parts()
     assert requests["LIST"] == 2 * (3 + 1) and requests["keys"] < 60, requests  # 4 partitions, not 200

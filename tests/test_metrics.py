@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from opd_cache import metrics as metrics_module
-from opd_cache.metrics import MetricsLog, read_metrics
-from opd_cache.store import Store
+from opd_cache.observe import metrics as metrics_module
+from opd_cache.observe.metrics import MetricsLog, read_metrics
+from opd_cache.storage.store import Store
 
 
 @pytest.fixture(params=["local", "s3"])

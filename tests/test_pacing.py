@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 
 from opd_cache.rollout.pacing import BacklogGauge
-from opd_cache.schema import count_rows
-from opd_cache.store import Store
+from opd_cache.storage import layout
+from opd_cache.storage.schema import count_rows
+from opd_cache.storage.store import Store
 from tests.conftest import write_random_rollout_shard
 from tests.helpers import InThread, tiny_run_config, write_config
 from tests.test_trainer import student_path, teacher  # noqa: F401  (fixtures)
@@ -39,10 +40,10 @@ def paced_run_config(tmp_path: Path) -> Path:
 
 def overshoot(store: Store) -> dict:
     """Samples generated, scored and trained in a finished run, and the two ratios."""
-    generated = sum(count_rows(store, s.path) for s in store.list_rollout_shards())
+    generated = sum(count_rows(store, s.path) for s in store.shards.rollouts())
     scored = sum(
-        count_rows(store, store.annotated_path(shard_id, teacher))
-        for shard_id, teachers in store.list_annotated_parts().items()
+        count_rows(store, layout.annotated_path(shard_id, teacher))
+        for shard_id, teachers in store.shards.annotated_parts().items()
         for teacher in teachers
     )
     trained = store.read_progress()["trained_samples"]
@@ -73,7 +74,7 @@ def test_a_tiny_run_generates_and_scores_at_most_five_percent_more_than_it_train
 
 # ------------------------------------------------------------------ the gauge's arithmetic, without models
 def publish(store: Store, *shards: tuple[str, int]) -> None:
-    run = store.ensure_run(student="student", tokenizer_fingerprint="fp-test")
+    run = store.manifest.ensure(student="student", tokenizer_fingerprint="fp-test")
     for shard_id, rows in shards:
         write_random_rollout_shard(store, shard_id=shard_id, num_rows=rows, run=run)
 
@@ -102,7 +103,7 @@ def test_demand_counts_every_workers_rows_and_ignores_consumed_and_expired_ones(
     assert gauge.demand is None  # a token budget per step: the trainer cannot say how many samples it needs
 
     # a damaged shard moved to quarantine/ is never trained: its rows stop counting as coverage
-    local_store.quarantine(local_store.rollout_path("v000000-w01-000001"), "damaged")
+    local_store.quarantine(layout.rollout_path("v000000-w01-000001"), "damaged")
     local_store.write_progress(
         {"samples_needed_total": 40, "trained_samples": 8, "consumed_samples": 8, "expired_samples": 8}
     )
@@ -116,7 +117,7 @@ def test_annotate_scores_only_what_the_remaining_steps_need_and_rescores_a_quara
     from opd_cache.annotate import annotate
     from opd_cache.config import AnnotateConfig
 
-    store, run = student_store, student_store.require_run()
+    store, run = student_store, student_store.manifest.require()
     for seq in range(5):
         write_random_rollout_shard(
             store, shard_id=f"v000000-w00-{seq:06d}", num_rows=6, vocab_size=len(tokenizer), seed=seq, run=run
@@ -128,9 +129,9 @@ def test_annotate_scores_only_what_the_remaining_steps_need_and_rescores_a_quara
     cfg = AnnotateConfig(teacher=str(tiny_model_factory("teacher", seed=1)), top_k=4)
     first = annotate(store, cfg, progress=False)
     assert len(first.annotated) == 3, first.annotated  # the trained shard's part, and two more
-    parts = store.list_annotated_parts()
+    parts = store.shards.annotated_parts()
     assert len(parts) == 3
-    store.quarantine(store.annotated_path(first.annotated[-1], "teacher"), "damaged")
+    store.quarantine(layout.annotated_path(first.annotated[-1], "teacher"), "damaged")
     again = annotate(store, cfg, progress=False)
     assert again.annotated == [first.annotated[-1]]  # scored again: the trainer needs those rows
     store.mark_done()

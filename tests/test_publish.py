@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from opd_cache.cli import app
 from opd_cache.losses import LossConfig
 from opd_cache.models import build_tiny_model, load_causal_lm
-from opd_cache.store import Store, StoreError
+from opd_cache.storage import layout
+from opd_cache.storage.store import Store, StoreError
 from opd_cache.train import train
 from opd_cache.train.checkpoint import complete_states, verify_ledger
 from opd_cache.train.objective import DistillationObjective
@@ -37,7 +38,7 @@ def objective_of(model) -> DistillationObjective:
 
 
 def weights_of(store: Store, version: int) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in load_causal_lm(store.local_path(store.policy_dir(version))).state_dict().items()}
+    return {k: v.clone() for k, v in load_causal_lm(store.local_path(layout.policy_dir(version))).state_dict().items()}
 
 
 def test_published_weights_are_those_of_submit_time_while_training_goes_on(local_store, tokenizer, monkeypatch):
@@ -100,7 +101,7 @@ def test_an_error_of_the_writer_is_raised_in_the_trainer_thread(local_store, tok
     publisher = PolicyPublisher(local_store, model, tokenizer)
 
     def disk_full(self, version, *args, **kwargs):
-        raise StoreError(f"cannot write {self.path(self.policy_dir(version))}: No space left on device")
+        raise StoreError(f"cannot write {self.path(layout.policy_dir(version))}: No space left on device")
 
     monkeypatch.setattr(Store, "publish_policy", disk_full)
     publisher.submit(1, objective_of(model))
@@ -153,7 +154,7 @@ def test_a_failed_background_publication_stops_the_trainer_before_its_state_and_
 
     def fail_version_2(self, version, *args, **kwargs):
         if version == 2:
-            raise StoreError(f"cannot write {self.path(self.policy_dir(version))}: Input/output error")
+            raise StoreError(f"cannot write {self.path(layout.policy_dir(version))}: Input/output error")
         return real_publish(self, version, *args, **kwargs)
 
     monkeypatch.setattr(Store, "publish_policy", fail_version_2)

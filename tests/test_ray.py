@@ -1,4 +1,4 @@
-"""`opd run --launcher ray` on a one-machine Ray bound to 127.0.0.1 (opd_cache/ray_launcher.py).
+"""`opd run --launcher ray` on a one-machine Ray bound to 127.0.0.1 (opd_cache/launch/ray_launcher.py).
 
 One tiny run, disturbed while it runs: the annotate worker's process is SIGKILLed, the rollout actor's process
 is SIGKILLed (what `ray.kill` or a lost node does to it), and the annotate workers go 1 -> 3 -> 1 through
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from opd_cache.metrics import read_metrics
-from opd_cache.store import Store, StoreError
+from opd_cache.observe.metrics import read_metrics
+from opd_cache.storage.store import Store, StoreError
 from opd_cache.train.checkpoint import read_ledger, verify_ledger
 from tests.test_run import BATCH, tiny_config
 
@@ -70,7 +70,7 @@ def disturbed_run(tmp_path_factory):
     )
     events = {}
     try:
-        wait_for(lambda: store.list_annotated_parts(), 300, "the first annotated part", proc)
+        wait_for(lambda: store.shards.annotated_parts(), 300, "the first annotated part", proc)
         scaled = opd("scale", "--store", str(store.uri), "--annotate", "3")
         assert scaled.returncode == 0, scaled.stderr
         wait_for(lambda: pids(logs, "annotate-teacher-2"), 120, "the third annotate worker", proc)
@@ -126,7 +126,7 @@ def test_ray_run_survives_killed_actors_and_rescaling(disturbed_run):
     assert not verify_ledger(store)["duplicates"]
 
     # every shard annotated once: one part file per shard, and no two workers report the same shard
-    parts = store.list_annotated_parts()
+    parts = store.shards.annotated_parts()
     assert {sid.rsplit("-", 1)[0] for sid in trained} <= {s for s, t in parts.items() if "teacher" in t}
     for shard_id in parts:
         folder = Path(store.uri) / "annotated" / shard_id[:7] / shard_id
@@ -142,7 +142,7 @@ def test_ray_run_survives_killed_actors_and_rescaling(disturbed_run):
 
 
 def test_a_local_store_is_refused_on_a_cluster_of_several_nodes(local_store, s3_store):
-    from opd_cache.ray_launcher import check_store_reachable
+    from opd_cache.launch.ray_launcher import check_store_reachable
 
     with pytest.raises(StoreError, match="the cluster has 2 nodes but the store .* is a local directory"):
         check_store_reachable(local_store, 2, shared_filesystem=False)
@@ -152,9 +152,9 @@ def test_a_local_store_is_refused_on_a_cluster_of_several_nodes(local_store, s3_
 
 
 def test_opd_scale_writes_the_wanted_counts_and_refuses_no_count(local_store):
-    from opd_cache.ray_launcher import SCALE_FILE
+    from opd_cache.launch.ray_launcher import SCALE_FILE
 
-    local_store.ensure_run(student="student", tokenizer_fingerprint="fp-test")
+    local_store.manifest.ensure(student="student", tokenizer_fingerprint="fp-test")
     assert opd("scale", "--store", local_store.uri, "--annotate", "3").returncode == 0
     assert opd("scale", "--store", local_store.uri, "--rollout", "2").returncode == 0
     assert local_store.read_json(SCALE_FILE) == {"annotate": 3, "rollout": 2}

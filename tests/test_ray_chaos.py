@@ -20,7 +20,7 @@ import shutil
 import pytest
 
 from opd_cache.config import load_config
-from opd_cache.store import Store
+from opd_cache.storage.store import Store
 from tests.chaos.invariants import check_store, compare_policies, replay, scratch_dir
 from tests.chaos.ray_driver import run_ray_chaos
 from tests.chaos.test_chaos import SEEDS

@@ -22,7 +22,7 @@ import time
 import pytest
 import yaml
 
-from opd_cache.store import Store
+from opd_cache.storage.store import Store
 from opd_cache.train.checkpoint import read_ledger, verify_ledger
 from tests.test_ray_loopback import is_loopback, listening_sockets
 from tests.test_run import BATCH, tiny_config
@@ -42,7 +42,7 @@ def test_rollout_and_annotate_run_on_the_nodes_their_resources_name(tmp_path):
     import ray
     from ray.cluster_utils import Cluster
 
-    from opd_cache.ray_launcher import bind_ray_to_loopback
+    from opd_cache.launch.ray_launcher import bind_ray_to_loopback
 
     bind_ray_to_loopback()
     cluster = Cluster(
@@ -74,7 +74,7 @@ def test_rollout_and_annotate_run_on_the_nodes_their_resources_name(tmp_path):
             )
             try:
                 deadline = time.monotonic() + 300
-                while not store.list_annotated_parts():  # both workers at work: look at the sockets then
+                while not store.shards.annotated_parts():  # both workers at work: look at the sockets then
                     assert proc.poll() is None, (tmp_path / "stdout.txt").read_text()[-3000:]
                     assert time.monotonic() < deadline, "no annotated part in 300 s"
                     time.sleep(0.5)

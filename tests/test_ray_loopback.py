@@ -54,7 +54,7 @@ def is_loopback(address: str) -> bool:
 def test_the_launchers_ray_listens_on_loopback_only_and_retires_a_worker_by_sigint(tmp_path):
     import ray
 
-    from opd_cache.ray_launcher import RETIRE_SECONDS, RayLauncher
+    from opd_cache.launch.ray_launcher import RETIRE_SECONDS, RayLauncher
 
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump({"store": {"uri": str(tmp_path / "store")}}))

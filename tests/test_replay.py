@@ -10,8 +10,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from opd_cache.schema import read_shard
-from opd_cache.store import Store
+from opd_cache.storage import layout
+from opd_cache.storage.schema import read_shard
+from opd_cache.storage.store import Store
 from opd_cache.train.checkpoint import read_ledger
 from tests.test_cli_inspect import opd
 from tests.test_export import annotated_store, packed_copy, store_hashes  # noqa: F401  (the module-scoped source store)
@@ -36,9 +37,9 @@ def replay(src: list[Store], dst: Path, *extra: str, max_steps: str | None = "10
 def sample_ids(store: Store, teacher: str | None = None) -> list[str]:
     """Every annotated sample of `store` (of one teacher's parts, or of all)."""
     ids = []
-    for shard in store.list_rollout_shards():
+    for shard in store.shards.rollouts():
         for t in [teacher] if teacher else ["tA", "tB"]:
-            ids += read_shard(store, store.annotated_path(shard.shard_id, t))[0]["sample_id"].to_pylist()
+            ids += read_shard(store, layout.annotated_path(shard.shard_id, t))[0]["sample_id"].to_pylist()
     return ids
 
 
@@ -64,8 +65,8 @@ def test_replay_one_source_one_epoch_trains_every_row_once_and_leaves_the_source
     assert sorted(sid for _, sid in rows) == sorted(sample_ids(annotated_store))  # 11 rows, each once
     assert len(rows) == 11 and "step     3/3 v3" in out.stdout and "stopped (max_steps) at step 3" in out.stdout
     dst = Store(tmp_path / "dst")
-    assert dst.latest_version() == 3 and dst.require_run()["replay"]["sources"] == [annotated_store.uri]
-    assert not dst.list_rollout_shards()  # no rollout, no teacher: nothing but the training run
+    assert dst.latest_version() == 3 and dst.manifest.require()["replay"]["sources"] == [annotated_store.uri]
+    assert not dst.shards.rollouts()  # no rollout, no teacher: nothing but the training run
     assert dst.is_done()
 
 
@@ -133,7 +134,7 @@ def test_replay_refusals_are_one_line_and_write_nothing(annotated_store, tmp_pat
     from tests.test_export import write_rollout
 
     bare = Store(tmp_path / "bare")
-    run = bare.ensure_run(student=str(tokenizer_path), tokenizer_fingerprint="fp")
+    run = bare.manifest.ensure(student=str(tokenizer_path), tokenizer_fingerprint="fp")
     write_rollout(bare, run, "v000000-w00-000000", ["math"], seed=0)
     out = replay([bare], tmp_path / "dst")
     assert out.returncode == 2
@@ -273,8 +274,8 @@ def test_replay_weights_rows_by_truncated_importance_from_the_stored_behavior_lo
     import numpy as np
     import torch
 
-    from opd_cache.metrics import read_metrics
     from opd_cache.models import load_causal_lm
+    from opd_cache.observe.metrics import read_metrics
 
     cap = 0.015  # the tiny student's log-probs (~ -log 99) against stored ones in [-1, 0]: both sides of the cap
     out = replay([annotated_store], tmp_path / "dst", "--importance-cap", str(cap), max_steps="1")
@@ -283,9 +284,9 @@ def test_replay_weights_rows_by_truncated_importance_from_the_stored_behavior_lo
     (record,) = [r for log in logs.values() for r in log if r.get("step") == 1 and "importance_weight" in r]
 
     trained = {json.loads(line)["sample_id"] for line in (tmp_path / "dst/train/consumed/step-000001.jsonl").open()}
-    student = load_causal_lm(annotated_store.require_run().student).eval()
+    student = load_causal_lm(annotated_store.manifest.require().student).eval()
     weights, clipped = [], []
-    for shard in annotated_store.list_rollout_shards():
+    for shard in annotated_store.shards.rollouts():
         table, _ = read_shard(annotated_store, shard.path)
         for row in table.to_pylist():
             if row["sample_id"] not in trained:

@@ -8,9 +8,9 @@ import re
 import numpy as np
 import pytest
 
-from opd_cache.metrics import MetricsLog
-from opd_cache.report import rolling_mean, summarize
-from opd_cache.store import Store
+from opd_cache.observe.metrics import MetricsLog
+from opd_cache.observe.report import rolling_mean, summarize
+from opd_cache.storage.store import Store
 from tests.test_cli_inspect import opd
 
 pytest.importorskip("matplotlib")
@@ -59,7 +59,7 @@ def write_metrics(store: Store, steps: int = 30) -> None:
 
 def test_report_rounds_its_numbers_and_writes_beside_the_store_like_the_demo(tmp_path):
     store = Store(tmp_path / "run" / "store")
-    store.ensure_run(student="student", tokenizer_fingerprint="fp-test")
+    store.manifest.ensure(student="student", tokenizer_fingerprint="fp-test")
     write_metrics(store)
 
     out = opd("report", "--store", str(tmp_path / "run" / "store"))
@@ -91,7 +91,7 @@ def test_report_rounds_its_numbers_and_writes_beside_the_store_like_the_demo(tmp
 
 def test_summary_keeps_full_precision_for_scripts(tmp_path):
     store = Store(tmp_path / "store")
-    store.ensure_run(student="student", tokenizer_fingerprint="fp-test")
+    store.manifest.ensure(student="student", tokenizer_fingerprint="fp-test")
     write_metrics(store)
     summary = summarize(store)
     assert summary["first_loss"] == 6.923056125640869  # rounding is for people; benchmarks read the summary

@@ -1,4 +1,4 @@
-"""Retention (opd_cache/retention.py): newest K versions + held ones + LATEST, newest N states, crash-safe deletion."""
+"""Retention (opd_cache/storage/retention.py): newest K versions + held ones + LATEST, newest N states, crash-safe deletion."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from opd_cache.integrity import MANIFEST
-from opd_cache.retention import (
+from opd_cache.rollout.policy import PolicyFiles
+from opd_cache.storage.integrity import MANIFEST
+from opd_cache.storage.retention import (
     VersionHold,
     holder_rel,
     live_holds,
@@ -16,8 +17,7 @@ from opd_cache.retention import (
     prune_states,
     retention_pass,
 )
-from opd_cache.rollout.policy import PolicyFiles
-from opd_cache.store import COMPLETE_MARKER, Store
+from opd_cache.storage.store import COMPLETE_MARKER, Store
 from opd_cache.train.checkpoint import complete_states
 
 

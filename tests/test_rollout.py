@@ -19,12 +19,12 @@ from typer.testing import CliRunner
 
 from opd_cache.cli import app
 from opd_cache.config import RolloutConfig, SamplingConfig
-from opd_cache.metrics import read_metrics
 from opd_cache.models import load_causal_lm
+from opd_cache.observe.metrics import read_metrics
 from opd_cache.rollout import run_rollout
 from opd_cache.rollout.prompt_stream import PromptStream, epoch_order
-from opd_cache.schema import ROLLOUT, read_shard, rollout_schema
-from opd_cache.store import Store
+from opd_cache.storage.schema import ROLLOUT, read_shard, rollout_schema
+from opd_cache.storage.store import Store
 from opd_cache.tokenizer import tokenizer_fingerprint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,9 +64,9 @@ def config(student, prompts, **overrides) -> RolloutConfig:
 
 
 def shards_of(store: Store, worker: str | None = None):
-    run = store.require_run()
+    run = store.manifest.require()
     out = []
-    for info in store.list_rollout_shards():
+    for info in store.shards.rollouts():
         if worker is None or info.worker == worker:
             table, meta = read_shard(store, info.path, kind=ROLLOUT, run=run)
             out.append((info, table, meta))
@@ -98,7 +98,7 @@ def test_shards_have_the_schema_version_0_n_samples_and_teacher_forced_logprobs(
     result = run_rollout(config(student, prompts, n=3, flush_rows=6, max_samples=18), local_store)
     assert result.samples == 18 and result.cursor == 6 and len(result.shards) == 3
 
-    run = local_store.require_run()
+    run = local_store.manifest.require()
     assert run["student"] == str(student.resolve()) and run["vocab_size"] == len(tokenizer)
     assert run["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer) and "student_topk" not in run
     shards = shards_of(local_store)
@@ -145,7 +145,7 @@ def test_student_topk_is_recorded_and_adopted_from_the_run(tiny_model_factory, t
     student = tiny_model_factory("student")
     prompts = write_prompts(tmp_path / "p.jsonl", questions(4), chat=False)
     run_rollout(config(student, prompts, student_topk=3, max_samples=4), local_store)
-    assert local_store.require_run()["student_topk"] == 3
+    assert local_store.manifest.require()["student_topk"] == 3
     # a second worker that does not ask for it follows the run's setting
     run_rollout(config(student, prompts, worker_id="w01", max_samples=4), local_store)
     for _info, table, meta in shards_of(local_store):
@@ -200,7 +200,7 @@ def test_new_policy_version_is_loaded_between_batches_and_pacing_waits(tiny_mode
     worker = threading.Thread(target=lambda: result.update(r=run_rollout(cfg, local_store, stop=stop)), daemon=True)
     worker.start()
     try:
-        count = lambda: len(local_store.list_rollout_shards())  # noqa: E731
+        count = lambda: len(local_store.shards.rollouts())  # noqa: E731
         wait_for(lambda: count() == 1, what="the first shard")
         time.sleep(1.0)
         assert count() == 1, "backlog 4 > max_buffer_samples 3: the worker must wait, not produce"
@@ -240,7 +240,7 @@ def test_follow_flushes_on_stop_and_ends_at_the_done_marker(tiny_model_factory, 
     worker.start()
     wait_for(lambda: (Path(local_store.root) / "run.json").exists(), what="run.json")
     time.sleep(1.5)
-    assert local_store.list_rollout_shards() == []  # nothing is due yet
+    assert local_store.shards.rollouts() == []  # nothing is due yet
     stop.set()  # what SIGINT/SIGTERM do in the CLI
     worker.join(timeout=120)
     assert not worker.is_alive()
@@ -251,7 +251,7 @@ def test_follow_flushes_on_stop_and_ends_at_the_done_marker(tiny_model_factory, 
 
     local_store.mark_done()
     again = run_rollout(cfg, local_store)  # the trainer is done: a following worker exits at once
-    assert again.samples == 0 and len(local_store.list_rollout_shards()) == 1
+    assert again.samples == 0 and len(local_store.shards.rollouts()) == 1
 
 
 # ---------------------------------------------------------------- the CLI, SIGKILL and resume
@@ -295,13 +295,13 @@ def test_sigkilled_worker_resumes_with_no_repeat_and_no_gap(tiny_model_factory, 
     )
     store = Store(store_dir)
     try:
-        wait_for(lambda: len(store.list_rollout_shards()) >= 1 or proc.poll() is not None, what="the first shard")
+        wait_for(lambda: len(store.shards.rollouts()) >= 1 or proc.poll() is not None, what="the first shard")
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.kill()
         output = proc.communicate(timeout=60)[0].decode()
     assert proc.returncode == -signal.SIGKILL, output
-    killed_at = len(store.list_rollout_shards())
+    killed_at = len(store.shards.rollouts())
     print(f"killed after {killed_at} shards")
     assert 1 <= killed_at < 20, "the kill should land mid-run"
 
@@ -364,10 +364,10 @@ def test_bad_input_is_a_one_line_error_and_writes_nothing(case, tiny_model_facto
         student = no_template_student(tiny_model_factory, tmp_path)
         expected = "holds chat messages but tokenizer"
     elif case == "other_tokenizer":
-        store.ensure_run(student=str(student.resolve()), tokenizer_fingerprint="0123456789abcdef")
+        store.manifest.ensure(student=str(student.resolve()), tokenizer_fingerprint="0123456789abcdef")
         expected = "tokenizer_fingerprint is '0123456789abcdef' in this store"
     else:
-        store.ensure_run(student="/models/another-student")
+        store.manifest.ensure(student="/models/another-student")
         expected = "student is '/models/another-student' in this store"
     before = snapshot(tmp_path / "store")
 

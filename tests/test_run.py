@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from opd_cache.metrics import read_metrics
-from opd_cache.store import Store
+from opd_cache.observe.metrics import read_metrics
+from opd_cache.storage.store import Store
 from opd_cache.train.checkpoint import complete_states, read_ledger, verify_ledger
 from tests.helpers import tiny_run_config, write_config
 
@@ -89,8 +89,8 @@ def sync_run(tmp_path_factory):
 def assert_tiny_run_finished(store: Store) -> None:
     """What the store of a finished tiny run holds (local here, S3 in tests/test_s3_pipeline.py)."""
     assert store.is_done()
-    shards = store.list_rollout_shards()
-    parts = store.list_annotated_parts()
+    shards = store.shards.rollouts()
+    parts = store.shards.annotated_parts()
     assert len(shards) >= STEPS, "at least one shard per optimizer step"
     progress = store.read_progress()
     assert progress["step"] == STEPS and progress["consumed_samples"] == STEPS * BATCH
@@ -161,9 +161,9 @@ def test_sync_trains_on_as_many_samples_as_async_and_never_stale(async_run, sync
 
 def supervise_fakes(tmp_path: Path, monkeypatch, codes: dict[str, str], max_restarts: int = 0) -> int:
     """`supervise` with stand-in stages: each named stage runs its Python snippet instead of the real command."""
-    from opd_cache import run as run_module
     from opd_cache.config import load_config
-    from opd_cache.run import StageProcess
+    from opd_cache.launch import run as run_module
+    from opd_cache.launch.run import StageProcess
 
     store_dir = tmp_path / "store"
     store_dir.mkdir()
@@ -218,8 +218,8 @@ def test_supervisor_restarts_a_crashed_stage_then_gives_up(tmp_path, monkeypatch
 def test_dashboard_says_starting_shows_steps_elapsed_eta_and_no_raw_dicts(async_run):
     from rich.console import Console
 
-    from opd_cache.progress import duration
-    from opd_cache.run import StageProcess, dashboard, progress_line
+    from opd_cache.launch.run import StageProcess, dashboard, progress_line
+    from opd_cache.observe.progress import duration
 
     tmp, out = async_run
     store = Store(tmp / "store")
@@ -249,6 +249,6 @@ def test_dashboard_says_starting_shows_steps_elapsed_eta_and_no_raw_dicts(async_
 
 
 def test_staleness_reads_as_lag_colon_rows():
-    from opd_cache.run import staleness_text
+    from opd_cache.launch.run import staleness_text
 
     assert staleness_text({"2": 64, "0": 3, "10": 1}) == "0:3 2:64 10:1"

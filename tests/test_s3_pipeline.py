@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from opd_cache.store import Store
+from opd_cache.storage.store import Store
 from tests.test_run import assert_tiny_run_finished, exit_codes, tiny_config
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}

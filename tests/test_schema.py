@@ -8,7 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from opd_cache.schema import (
+from opd_cache.storage import layout
+from opd_cache.storage.schema import (
     ANNOTATED,
     ROLLOUT,
     ShardError,
@@ -21,7 +22,7 @@ from opd_cache.schema import (
     rollout_table,
     write_shard,
 )
-from opd_cache.store import Store
+from opd_cache.storage.store import Store
 from opd_cache.testing import write_annotated_part
 from tests.conftest import write_random_rollout_shard
 
@@ -52,7 +53,7 @@ def store(tmp_path):
 def test_rollout_round_trip_with_empty_responses_and_student_topk(store):
     written = write_random_rollout_shard(store, shard_id=SHARD, num_rows=16, max_response=3, student_topk=3)
     assert (list_lengths(written["response_ids"]) == 0).any(), "the seed should produce an empty response"
-    table, meta = read_shard(store, store.rollout_path(SHARD), kind=ROLLOUT, run=store.read_run())
+    table, meta = read_shard(store, layout.rollout_path(SHARD), kind=ROLLOUT, run=store.manifest.read())
     assert table.equals(written)
     assert (meta.kind, meta.policy_version, meta.shard_id, meta.student_topk) == (ROLLOUT, 2, SHARD, 3)
     assert flat_values(table["student_topk_ids"]).shape == (int(list_lengths(table["response_ids"]).sum()), 3)
@@ -62,9 +63,9 @@ def test_rollout_round_trip_with_empty_responses_and_student_topk(store):
 def test_annotated_round_trip(store, dtype):
     rollout = write_random_rollout_shard(store, shard_id=SHARD, num_rows=8)
     part = annotated_part(rollout, dtype=dtype, support_k=2)
-    run = store.read_run()
+    run = store.manifest.read()
     write_annotated_part(store, run, SHARD, "teacher", part, top_k=4)
-    table, meta = read_shard(store, store.annotated_path(SHARD, "teacher"), kind=ANNOTATED, run=run)
+    table, meta = read_shard(store, layout.annotated_path(SHARD, "teacher"), kind=ANNOTATED, run=run)
     assert table.equals(part)
     assert meta.top_k == 4 and meta.teacher == "teacher"
     expected_np = np.float16 if dtype == "float16" else np.float32
@@ -76,29 +77,31 @@ def test_datasets_and_pyarrow_read_shards_without_this_package(store):
     import datasets
 
     rollout = write_random_rollout_shard(store, shard_id=SHARD, num_rows=5)
-    write_annotated_part(store, store.read_run(), SHARD, "teacher", annotated_part(rollout, dtype="float16"), top_k=4)
-    ds = datasets.Dataset.from_file(str(store.local_path(store.rollout_path(SHARD))))
+    write_annotated_part(
+        store, store.manifest.read(), SHARD, "teacher", annotated_part(rollout, dtype="float16"), top_k=4
+    )
+    ds = datasets.Dataset.from_file(str(store.local_path(layout.rollout_path(SHARD))))
     assert ds["sample_id"] == rollout["sample_id"].to_pylist()
     assert ds[0]["response_ids"] == rollout["response_ids"][0].as_py()
-    ann = datasets.Dataset.from_file(str(store.local_path(store.annotated_path(SHARD, "teacher"))))
+    ann = datasets.Dataset.from_file(str(store.local_path(layout.annotated_path(SHARD, "teacher"))))
     assert len(ann) == 5
-    with pa.memory_map(str(store.local_path(store.rollout_path(SHARD)))) as f:
+    with pa.memory_map(str(store.local_path(layout.rollout_path(SHARD)))) as f:
         assert pa.ipc.open_stream(f).read_all().num_rows == 5
 
 
 def test_truncated_file_is_rejected(store):
     write_random_rollout_shard(store, shard_id=SHARD, num_rows=50)
-    path = store.local_path(store.rollout_path(SHARD))
+    path = store.local_path(layout.rollout_path(SHARD))
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(ShardError, match=r"v000002-w00-000001.arrow: truncated or not an Arrow IPC stream"):
-        read_shard(store, store.rollout_path(SHARD))
+        read_shard(store, layout.rollout_path(SHARD))
 
 
 def test_foreign_file_is_rejected(store):
     table = pa.table({"x": [1, 2, 3]})
-    store.write_atomic(store.rollout_path(SHARD), lambda out: pa.ipc.new_stream(out, table.schema).write_table(table))
+    store.write_atomic(layout.rollout_path(SHARD), lambda out: pa.ipc.new_stream(out, table.schema).write_table(table))
     with pytest.raises(ShardError, match=r"not an opd_cache shard \(no 'opd.kind' in the Arrow schema metadata\)"):
-        read_shard(store, store.rollout_path(SHARD))
+        read_shard(store, layout.rollout_path(SHARD))
 
 
 def test_wrong_schema_version_and_other_run_are_rejected(store):
@@ -120,13 +123,13 @@ def test_wrong_schema_version_and_other_run_are_rejected(store):
     meta.schema_version = 1
     store.write_atomic("rollouts/v000009-w00-000000.arrow", write)
     with pytest.raises(ShardError, match=r"belongs to run 'other', this store is run '[0-9a-f]+'"):
-        read_shard(store, "rollouts/v000009-w00-000000.arrow", run=store.read_run())
+        read_shard(store, "rollouts/v000009-w00-000000.arrow", run=store.manifest.read())
     with pytest.raises(ShardError, match=r"is a 'rollout' shard, expected 'annotated'"):
         read_shard(store, "rollouts/v000009-w00-000000.arrow", kind=ANNOTATED)
 
 
 def test_inconsistent_per_token_lengths_are_rejected(store):
-    run = store.ensure_run(student="s", tokenizer_fingerprint="fp")
+    run = store.manifest.ensure(student="s", tokenizer_fingerprint="fp")
     table = rollout_table(
         sample_ids=["a", "b"],
         prompt_index=[0, 1],
@@ -141,12 +144,12 @@ def test_inconsistent_per_token_lengths_are_rejected(store):
     with pytest.raises(
         ShardError, match=r"row 1 \(sample 'b'\) has 2 entries in 'behavior_logprobs' but 1 in 'response_ids'"
     ):
-        write_shard(store, store.rollout_path(SHARD), table, meta)
-    assert not store.exists(store.rollout_path(SHARD)), "nothing may be written for an invalid table"
+        write_shard(store, layout.rollout_path(SHARD), table, meta)
+    assert not store.exists(layout.rollout_path(SHARD)), "nothing may be written for an invalid table"
 
 
 def test_empty_prompt_and_wrong_column_type_are_rejected(store):
-    run = store.ensure_run(student="s", tokenizer_fingerprint="fp")
+    run = store.manifest.ensure(student="s", tokenizer_fingerprint="fp")
     meta = ShardMeta(kind=ROLLOUT, run_id=run["run_id"], tokenizer_fingerprint="fp", shard_id=SHARD, policy_version=0)
     table = rollout_table(
         sample_ids=["a"],
@@ -159,12 +162,12 @@ def test_empty_prompt_and_wrong_column_type_are_rejected(store):
         finish_reason=["stop"],
     )
     with pytest.raises(ShardError, match=r"row 0 has an empty prompt"):
-        write_shard(store, store.rollout_path(SHARD), table, meta)
+        write_shard(store, layout.rollout_path(SHARD), table, meta)
     bad = table.set_column(4, "response_ids", pa.array([[3]], pa.list_(pa.int64())))
     with pytest.raises(
         ShardError, match=r"column 'response_ids' has type list<item: int64>, expected list<item: int32>"
     ):
-        write_shard(store, store.rollout_path(SHARD), bad, meta)
+        write_shard(store, layout.rollout_path(SHARD), bad, meta)
 
 
 def test_annotation_must_match_its_rollout(store):

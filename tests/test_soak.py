@@ -32,7 +32,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from opd_cache.store import Store
+from opd_cache.storage import layout
+from opd_cache.storage.store import Store
 from opd_cache.train.checkpoint import verify_ledger
 from tests.helpers import tiny_run_config, write_config
 
@@ -146,7 +147,7 @@ def test_long_run_stays_bounded(tmp_path):
     assert store.latest_version() == STEPS
 
     # 1. bounded: K + 2 versions and N + 1 states at any time
-    version_bytes = folder_bytes(store.local_path(store.policy_dir(STEPS)))
+    version_bytes = folder_bytes(store.local_path(layout.policy_dir(STEPS)))
     state_bytes = max(folder_bytes(p) for p in store.local_path("train/state").iterdir())
     bound = (KEEP_VERSIONS + 2) * version_bytes + (KEEP_STATES + 1) * state_bytes
     peak = max(s["policy"] + s["state"] for s in sampler.samples)

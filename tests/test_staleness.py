@@ -1,12 +1,12 @@
-"""One staleness rule (opd_cache/staleness.py) and one configuration home for it (the top-level max_staleness)."""
+"""One staleness rule (opd_cache/flow/staleness.py) and one configuration home for it (the top-level max_staleness)."""
 
 from __future__ import annotations
 
 import pytest
 
 from opd_cache.config import load_config
-from opd_cache.run import sync_overrides, write_resolved_config
-from opd_cache.staleness import DEFAULT_MAX_STALENESS, is_too_stale, staleness_window
+from opd_cache.flow.staleness import DEFAULT_MAX_STALENESS, is_too_stale, staleness_window
+from opd_cache.launch.run import sync_overrides, write_resolved_config
 from tests.conftest import REPO
 
 DEMO = REPO / "examples/arithmetic_cpu/config.yaml"

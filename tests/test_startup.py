@@ -17,7 +17,7 @@ import pytest
 
 from opd_cache.annotate import Annotator
 from opd_cache.config import AnnotateConfig
-from opd_cache.store import Store, make_shard_id
+from opd_cache.storage.store import Store, make_shard_id
 from opd_cache.tokenizer import tokenizer_fingerprint
 from tests.conftest import write_random_rollout_shard
 from tests.test_run import tiny_config
@@ -55,7 +55,7 @@ def record_calls(monkeypatch, module, name: str, store: Store) -> threading.Even
     done.saw_run = []
 
     def wrapper(*args, **kwargs):
-        done.saw_run.append(store.has_run())
+        done.saw_run.append(store.manifest.exists())
         out = real(*args, **kwargs)
         done.set()
         return out
@@ -72,9 +72,9 @@ def wait_until_sleeping_on_run_json(thread: InThread, loaded: threading.Event) -
 
 # ---------------------------------------------------------------- the supervisor
 def test_supervisor_starts_every_stage_before_run_json_exists(tmp_path, monkeypatch):
-    from opd_cache import run as run_module
     from opd_cache.config import load_config
-    from opd_cache.run import StageProcess
+    from opd_cache.launch import run as run_module
+    from opd_cache.launch.run import StageProcess
 
     store_dir = tmp_path / "store"
     run_json = store_dir / "run.json"
@@ -124,15 +124,19 @@ def test_annotator_on_an_empty_store_loads_its_teacher_then_waits_for_run_json_a
     assert loaded.saw_run[0] is False  # the teacher loaded before run.json existed
     assert not store.exists("run/teachers/teacher.json")
 
-    run = store.ensure_run(student=str(student), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=99)
+    run = store.manifest.ensure(
+        student=str(student), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=99
+    )
     annotator = starting.join()
     assert f"waiting for {store.path('run.json')} (the first rollout worker creates it)" in capsys.readouterr().err
-    assert annotator.run_info.run_id == run.run_id and store.require_run().required_teachers() == ["teacher"]
+    assert annotator.run_info.run_id == run.run_id and store.manifest.require().required_teachers() == ["teacher"]
     shard_id = make_shard_id(0, "w00", 0)
-    write_random_rollout_shard(store, shard_id=shard_id, vocab_size=99, seed=0, run=store.require_run(), num_rows=4)
-    (info,) = store.list_rollout_shards()
+    write_random_rollout_shard(
+        store, shard_id=shard_id, vocab_size=99, seed=0, run=store.manifest.require(), num_rows=4
+    )
+    (info,) = store.shards.rollouts()
     assert annotator.annotate_shard(info)
-    assert store.list_annotated_parts() == {shard_id: {"teacher"}}
+    assert store.shards.annotated_parts() == {shard_id: {"teacher"}}
 
 
 def test_annotator_waiting_on_an_empty_store_refuses_a_run_json_with_another_tokenizer(local_store, tiny_model_factory):
@@ -141,7 +145,7 @@ def test_annotator_waiting_on_an_empty_store_refuses_a_run_json_with_another_tok
         lambda: Annotator(store, annotate_config(tiny_model_factory("teacher", seed=1)), progress=False)
     )
     time.sleep(1.0)
-    store.ensure_run(student=str(tiny_model_factory("student", seed=0)), tokenizer_fingerprint="0123456789abcdef")
+    store.manifest.ensure(student=str(tiny_model_factory("student", seed=0)), tokenizer_fingerprint="0123456789abcdef")
     with pytest.raises(ValueError, match=r"tokenizers differ: the teacher's fingerprint is \w+, the run's "):
         starting.join()
     assert not store.exists("run/teachers/teacher.json")  # nothing recorded
@@ -184,7 +188,7 @@ def test_trainer_waiting_on_an_empty_store_refuses_a_run_json_with_another_token
     loaded = record_calls(monkeypatch, models, "load_causal_lm", store)
     training = InThread(lambda: train(cfg))
     wait_until_sleeping_on_run_json(training, loaded)
-    store.ensure_run(student=str(student), tokenizer_fingerprint="0123456789abcdef", teachers={"teacher": "t"})
+    store.manifest.ensure(student=str(student), tokenizer_fingerprint="0123456789abcdef", teachers={"teacher": "t"})
     with pytest.raises(ValueError, match=r"its tokenizer \(fingerprint \w+\) is not the run's \(0123456789abcdef"):
         training.join()
     assert store.read_progress() == {} and not store.is_done()  # nothing trained, nothing written
@@ -195,11 +199,11 @@ def test_the_supervisor_reads_its_config_and_builds_the_stage_commands_without_i
     # `opd run` starts the stages only after its own imports: torch (seconds) stays in the stages
     code = (
         "import sys; from pathlib import Path\n"
-        "import opd_cache.cli, opd_cache.ray_launcher\n"
+        "import opd_cache.cli, opd_cache.launch.ray_launcher\n"
         "from opd_cache.config import load_config\n"
-        "from opd_cache.demand import announce_demand\n"
-        "from opd_cache.run import stage_commands, write_resolved_config\n"
-        "from opd_cache.store import Store\n"
+        "from opd_cache.flow.demand import announce_demand\n"
+        "from opd_cache.launch.run import stage_commands, write_resolved_config\n"
+        "from opd_cache.storage.store import Store\n"
         f"cfg = load_config({str(tiny_config(tmp_path))!r})\n"
         f"path = write_resolved_config(cfg, Path({str(tmp_path / 'logs' / 'config.yaml')!r}))\n"
         f"assert len(stage_commands(cfg, path, Path({str(tmp_path / 'logs')!r}))) == 4\n"

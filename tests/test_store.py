@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from opd_cache.store import Store, StoreError, make_shard_id, parse_shard_id, validate_name
+from opd_cache.storage import layout
+from opd_cache.storage.store import Store, StoreError, make_shard_id, parse_shard_id, validate_name
 from tests.conftest import write_random_rollout_shard
 
 
@@ -52,26 +53,26 @@ def test_small_files_round_trip_and_listing_ignores_tmp(store):
     store.write_bytes("rollouts/v000000/v000000-w00-000000.arrow.tmp-abc", b"partial")
     write_random_rollout_shard(store, shard_id="v000001-w00-000000")
     write_random_rollout_shard(store, shard_id="v000000-w01-000003")
-    shards = store.list_rollout_shards()
+    shards = store.shards.rollouts()
     assert [s.shard_id for s in shards] == ["v000000-w01-000003", "v000001-w00-000000"]
     assert (shards[0].policy_version, shards[0].worker, shards[0].seq) == (0, "w01", 3)
     assert store.read_json("missing.json", default="d") == "d"
 
 
 def test_run_manifest_created_once_then_checked(store):
-    run = store.ensure_run(student="models/student", tokenizer_fingerprint="abc")
-    again = store.ensure_run(student="models/student", tokenizer_fingerprint="abc", top_k=8)
+    run = store.manifest.ensure(student="models/student", tokenizer_fingerprint="abc")
+    again = store.manifest.ensure(student="models/student", tokenizer_fingerprint="abc", top_k=8)
     assert again["run_id"] == run["run_id"] and again["top_k"] == 8
-    assert store.ensure_run()["top_k"] == 8  # later stages default to recorded values
+    assert store.manifest.ensure()["top_k"] == 8  # later stages default to recorded values
     with pytest.raises(StoreError, match=r"top_k is 8 in this store but 32 was given"):
-        store.ensure_run(top_k=32)
+        store.manifest.ensure(top_k=32)
     with pytest.raises(StoreError, match=r"tokenizer_fingerprint is 'abc' in this store but 'zzz' was given"):
-        store.ensure_run(tokenizer_fingerprint="zzz")
+        store.manifest.ensure(tokenizer_fingerprint="zzz")
 
 
 def test_require_run_on_empty_store(store):
     with pytest.raises(StoreError, match=r"run.json does not exist: run `opd rollout` on this store first"):
-        store.require_run()
+        store.manifest.require()
 
 
 def test_latest_version_and_publish(store, tmp_path):
@@ -108,8 +109,8 @@ def test_quarantine_moves_file_with_reason(store):
     assert store.list_quarantine() == {
         "rollouts__v000000__v000000-w00-000000.arrow": "rollouts/v000000/v000000-w00-000000.arrow: truncated"
     }
-    assert store.list_rollout_shards() == []
-    assert dest == store.quarantine_path("rollouts/v000000/v000000-w00-000000.arrow")
+    assert store.shards.rollouts() == []
+    assert dest == layout.quarantine_path("rollouts/v000000/v000000-w00-000000.arrow")
 
 
 def test_quarantined_rollout_shards_are_found_in_either_layout(store):
@@ -118,11 +119,11 @@ def test_quarantined_rollout_shards_are_found_in_either_layout(store):
         ("v000002-w__1-000007", None),  # worker ids may hold "__", the separator of quarantined names
         ("v000000-w00-000003", "rollouts/v000000-w00-000003.arrow"),  # the flat layout of earlier versions
     ):
-        rel = rel or store.rollout_path(shard_id)
+        rel = rel or layout.rollout_path(shard_id)
         store.write_bytes(rel, b"damaged")
         store.quarantine(rel, "corrupt")
-    store.write_bytes(store.annotated_path("v000001-w00-000000", "teacher"), b"x")
-    store.quarantine(store.annotated_path("v000001-w00-000000", "teacher"), "corrupt")  # a part: not a shard
+    store.write_bytes(layout.annotated_path("v000001-w00-000000", "teacher"), b"x")
+    store.quarantine(layout.annotated_path("v000001-w00-000000", "teacher"), "corrupt")  # a part: not a shard
     found = store.quarantined_rollouts()
     assert [(s.shard_id, s.worker, s.seq) for s in found] == [
         ("v000000-w00-000003", "w00", 3),
@@ -140,16 +141,16 @@ def test_done_marker(store):
 
 
 def test_the_trainer_and_metrics_paths_come_from_the_store(store):
-    assert store.skipped_path("v000001-w00-000002") == "train/skipped/v000001-w00-000002.jsonl"
+    assert layout.skipped_path("v000001-w00-000002") == "train/skipped/v000001-w00-000002.jsonl"
     with pytest.raises(ValueError, match="invalid shard id"):
-        store.skipped_path("../x")
-    assert store.metrics_path("train-0") == "metrics/train-0.jsonl"
-    assert store.metrics_path("train-0", "00000001.jsonl") == "metrics/train-0/00000001.jsonl"
-    assert store.flat_rollout_path("v000001-w00-000002") == "rollouts/v000001-w00-000002.arrow"
-    assert store.flat_annotated_path("v000001-w00-000002", "t") == "annotated/v000001-w00-000002/t.arrow"
-    assert not store.has_run()
-    store.ensure_run(student="s")
-    assert store.has_run()
+        layout.skipped_path("../x")
+    assert layout.metrics_path("train-0") == "metrics/train-0.jsonl"
+    assert layout.metrics_path("train-0", "00000001.jsonl") == "metrics/train-0/00000001.jsonl"
+    assert layout.flat_rollout_path("v000001-w00-000002") == "rollouts/v000001-w00-000002.arrow"
+    assert layout.flat_annotated_path("v000001-w00-000002", "t") == "annotated/v000001-w00-000002/t.arrow"
+    assert not store.manifest.exists()
+    store.manifest.ensure(student="s")
+    assert store.manifest.exists()
 
 
 def test_read_only_store_is_reported(tmp_path):
@@ -167,13 +168,13 @@ def test_unreachable_s3_store_is_reported(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
     store = Store("s3://bucket/run", s3_endpoint="http://127.0.0.1:9")  # nothing listens on port 9
     with pytest.raises(StoreError, match=r"cannot read bucket/run/run.json: .*(Could not connect|NETWORK_CONNECTION)"):
-        store.read_run()
+        store.manifest.read()
 
 
 WRITER = textwrap.dedent(
     """
     import sys, numpy as np
-    from opd_cache.store import Store
+    from opd_cache.storage.store import Store
     store = Store(sys.argv[1])
     chunk = np.random.default_rng(0).bytes(1 << 20)
     def write(out):
@@ -208,10 +209,10 @@ def test_sigkill_mid_write_leaves_no_visible_file(backend, tmp_path, request):
 
     store = Store(uri, s3_endpoint=env.get("OPD_S3_ENDPOINT"))
     assert not store.exists("rollouts/v000000/v000000-w00-000000.arrow")
-    assert store.list_rollout_shards() == []
+    assert store.shards.rollouts() == []
     # a later write of the same name succeeds and is complete
     write_random_rollout_shard(store, shard_id="v000000-w00-000000")
-    assert [s.shard_id for s in store.list_rollout_shards()] == ["v000000-w00-000000"]
+    assert [s.shard_id for s in store.shards.rollouts()] == ["v000000-w00-000000"]
 
 
 def test_create_if_absent_keeps_first_writer(tmp_path):
@@ -248,7 +249,7 @@ def test_stale_tmp_files_of_killed_writers_are_swept_fresh_ones_kept(tmp_path):
     assert sorted(removed) == sorted(str(p.relative_to(root)) for p in old)
     assert not any(p.exists() for p in old)
     assert fresh.exists()
-    assert [s.shard_id for s in store.list_rollout_shards()] == ["v000000-w00-000000"]
+    assert [s.shard_id for s in store.shards.rollouts()] == ["v000000-w00-000000"]
     assert store.remove_stale_tmp(older_than_s=3600) == []
 
 

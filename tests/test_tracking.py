@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from opd_cache.config import load_config
-from opd_cache.metrics import read_metrics
 from opd_cache.models import build_tiny_model
-from opd_cache.tracking import check_trackers, train_metrics
+from opd_cache.observe.metrics import read_metrics
+from opd_cache.observe.tracking import check_trackers, train_metrics
 from opd_cache.train import train
 from tests.test_cli_inspect import opd
 from tests.test_trainer import config, make_store
@@ -89,7 +89,7 @@ def test_trainer_metrics_reach_wandb_offline_and_tensorboard(trained_store):
     store, wandb_dir = trained_store
     records = read_metrics(store, "train")["train-0"]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    run_id = store.read_run()["run_id"]
+    run_id = store.manifest.read()["run_id"]
 
     history = {row["_step"]: row for row in wandb_history(wandb_dir, f"{run_id}-train")}
     assert sorted(history) == list(range(1, STEPS + 1))
@@ -132,7 +132,7 @@ def test_evaluator_logs_strict_lenient_and_kl_to_its_own_wandb_run(trained_store
     assert out.returncode == 0, out.stdout + out.stderr
     evals = {r["version"]: r for r in read_metrics(store, "eval")["eval-0"]}
     assert sorted(evals) == [0, 1, 2]
-    history = {row["_step"]: row for row in wandb_history(wandb_dir, f"{store.read_run()['run_id']}-eval")}
+    history = {row["_step"]: row for row in wandb_history(wandb_dir, f"{store.manifest.read()['run_id']}-eval")}
     assert sorted(history) == [0, 1, 2]
     for version, r in evals.items():
         for key in ("strict", "lenient", "kl"):
@@ -170,7 +170,7 @@ def test_an_evaluator_stopped_by_sigterm_keeps_its_wandb_rows(trained_store, tmp
     import sys
     import time
 
-    from opd_cache.store import Store
+    from opd_cache.storage.store import Store
 
     source, _ = trained_store
     store = Store(shutil.copytree(source.local_path("."), tmp_path / "store"))
@@ -196,5 +196,5 @@ def test_an_evaluator_stopped_by_sigterm_keeps_its_wandb_rows(trained_store, tmp
     finally:
         proc.kill()
     assert proc.returncode == 130, output  # "interrupted", after closing the tracker
-    history = wandb_history(tmp_path / "wandb-dir", f"{store.read_run()['run_id']}-eval")
+    history = wandb_history(tmp_path / "wandb-dir", f"{store.manifest.read()['run_id']}-eval")
     assert [row["_step"] for row in history] == [0, 1, 2]

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from opd_cache.models import load_causal_lm
-from opd_cache.store import Store
+from opd_cache.storage import layout
+from opd_cache.storage.store import Store
 from opd_cache.train import train
 from opd_cache.train.checkpoint import complete_states, read_ledger, verify_ledger
 from tests.test_trainer import assert_same_weights, config, make_store, metrics, teacher  # noqa: F401
@@ -26,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def weights_of(store: Store, version: int) -> dict[str, torch.Tensor]:
-    return dict(load_causal_lm(store.local_path(store.policy_dir(version))).state_dict())
+    return dict(load_causal_lm(store.local_path(layout.policy_dir(version))).state_dict())
 
 
 def torchrun_train(store: Store, *settings: str, timeout: int) -> None:

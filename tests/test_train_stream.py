@@ -9,8 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from opd_cache.schema import ShardError, annotated_table, flat_values, read_shard
-from opd_cache.store import make_shard_id
+from opd_cache.storage import layout
+from opd_cache.storage.schema import ShardError, annotated_table, flat_values, read_shard
+from opd_cache.storage.store import make_shard_id
 from opd_cache.testing import write_annotated_part, write_synthetic_shard
 from opd_cache.train.loader import BatchLoader
 from opd_cache.train.microbatch import decode_rows
@@ -29,7 +30,7 @@ V, K = 32, 4
 
 @pytest.fixture
 def run(local_store):
-    return local_store.ensure_run(
+    return local_store.manifest.ensure(
         student="student", tokenizer_fingerprint="fp-test", vocab_size=V, top_k=K, teachers={"teacher": "teacher-path"}
     )
 
@@ -71,7 +72,7 @@ def skipped(store):
     out = {}
     for info in store.list_files("train/skipped"):
         shard_id = info.base_name.removesuffix(".jsonl")
-        for line in store.read_bytes(store.skipped_path(shard_id)).decode().splitlines():
+        for line in store.read_bytes(layout.skipped_path(shard_id)).decode().splitlines():
             record = json.loads(line)
             out[record["sample_id"]] = record["reason"]
     return out
@@ -155,7 +156,7 @@ def test_token_budget_batches(local_store, run):
 
 
 def test_routing_joins_each_row_with_its_teacher(local_store):
-    run = local_store.ensure_run(
+    run = local_store.manifest.ensure(
         student="s",
         tokenizer_fingerprint="fp",
         vocab_size=V,
@@ -197,9 +198,9 @@ def test_routing_joins_each_row_with_its_teacher(local_store):
         global_seqs=batch.global_seqs,
     )
     expected_ids, expected_lp = [], []
-    rollout, _ = read_shard(local_store, local_store.rollout_path(sid))
+    rollout, _ = read_shard(local_store, layout.rollout_path(sid))
     for row in sorted(batch.row_index.tolist()):
-        part, _ = read_shard(local_store, local_store.annotated_path(sid, batch.teachers[routed.index(row)]))
+        part, _ = read_shard(local_store, layout.annotated_path(sid, batch.teachers[routed.index(row)]))
         j = part["sample_id"].to_pylist().index(f"{sid}-{row}")
         expected_ids.append(np.array(part["teacher_topk_ids"][j].as_py()).reshape(-1, K))
         expected_lp.append(np.array(part["teacher_topk_logprobs"][j].as_py()).reshape(-1, K))
@@ -242,8 +243,8 @@ def test_decode_builds_the_padded_layout_and_global_weights(local_store, run):
     sid = shard(local_store, run, 0, 0, rows=5, response_len=(0, 6))
     stream, cache = make_stream(local_store, run, batch_samples=5)
     batch = stream.next_batch(1, 0)
-    rollout, _ = read_shard(local_store, local_store.rollout_path(sid))
-    part, _ = read_shard(local_store, local_store.annotated_path(sid, "teacher"))
+    rollout, _ = read_shard(local_store, layout.rollout_path(sid))
+    part, _ = read_shard(local_store, layout.annotated_path(sid, "teacher"))
     rows = np.array([4, 1, 3])  # any subset, any order
     mb = decode_rows(
         cache,
@@ -317,7 +318,7 @@ def test_group_advantages():
 # ------------------------------------------------------------------ bad shards: one clear message each
 def test_part_with_another_top_k_is_refused(local_store, run):
     sid = shard(local_store, run, 0, 0)
-    table, _ = read_shard(local_store, local_store.rollout_path(sid))
+    table, _ = read_shard(local_store, layout.rollout_path(sid))
     lengths = np.array([len(r) for r in table["response_ids"].to_pylist()])
     total = int(lengths.sum())
     part = annotated_table(
@@ -348,7 +349,7 @@ def test_union_support_without_student_topk_is_refused(local_store, run):
 
 
 def test_union_support_decodes_student_topk_and_teacher_support(local_store):
-    run = local_store.ensure_run(
+    run = local_store.manifest.ensure(
         student="s", tokenizer_fingerprint="fp", vocab_size=V, top_k=K, student_topk=3, teachers={"teacher": "t"}
     )
     sid = make_shard_id(0, "w00", 0)

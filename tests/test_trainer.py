@@ -20,7 +20,8 @@ from opd_cache.cli import app
 from opd_cache.config import load_config
 from opd_cache.losses import LossConfig, pg_loss, token_losses
 from opd_cache.models import build_tiny_model, load_causal_lm
-from opd_cache.store import Store, make_shard_id
+from opd_cache.storage import layout
+from opd_cache.storage.store import Store, make_shard_id
 from opd_cache.testing import response_logprobs, write_synthetic_shard
 from opd_cache.tokenizer import tokenizer_fingerprint
 from opd_cache.train import train
@@ -68,7 +69,7 @@ def make_store(
     of `student_path`) at policy `version`, added to the store at `root` (its run.json written or checked first);
     `shard_fields`: more of `write_synthetic_shard`'s arguments (ground truth, group size, ...)."""
     store = root if isinstance(root, Store) else Store(root)
-    run = store.ensure_run(
+    run = store.manifest.ensure(
         student=str(student_path),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         vocab_size=len(tokenizer),
@@ -112,10 +113,10 @@ def config(store: Store, s3_endpoint: str | None = None, **train):
 
 def final_weights(store: Store) -> dict[str, torch.Tensor]:
     if store.is_local:
-        model = load_causal_lm(store.local_path(store.policy_dir(store.latest_version())))
+        model = load_causal_lm(store.local_path(layout.policy_dir(store.latest_version())))
     else:
         with tempfile.TemporaryDirectory() as folder:
-            model = load_causal_lm(store.download_dir(store.policy_dir(store.latest_version()), folder))
+            model = load_causal_lm(store.download_dir(layout.policy_dir(store.latest_version()), folder))
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -150,7 +151,7 @@ def test_distillation_loss_and_heldout_kl_fall(tmp_path, student_path, tokenizer
     assert len(losses) == 24
     assert np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4]), losses
     kl_after = heldout_kl(
-        load_causal_lm(store.local_path(store.policy_dir(store.latest_version()))), teacher, tokenizer
+        load_causal_lm(store.local_path(layout.policy_dir(store.latest_version()))), teacher, tokenizer
     )
     assert kl_after < 0.9 * kl_before, (kl_before, kl_after)
     record = metrics(store)[-1]
@@ -293,7 +294,7 @@ def test_sigkill_then_resume_trains_every_row_exactly_once(tmp_path, student_pat
     for seq in range(5, 8):
         write_synthetic_shard(
             killed,
-            killed.require_run(),
+            killed.manifest.require(),
             make_shard_id(0, "w00", seq),
             num_rows=8,
             vocab_size=len(tokenizer),
@@ -405,7 +406,7 @@ def test_activation_checkpointing_gives_the_same_gradients(tokenizer):
 
 
 def test_task_rewards_are_group_normalised(local_store, tokenizer):
-    run = local_store.ensure_run(
+    run = local_store.manifest.ensure(
         student="s", tokenizer_fingerprint="fp", vocab_size=len(tokenizer), top_k=4, teachers={"teacher": "t"}
     )
     texts = [" #### 5", " #### 7", " #### 5", " #### 5", "so 5"]
@@ -479,11 +480,11 @@ def test_bad_inputs_each_get_one_message(tmp_path, student_path, tokenizer, teac
     out = run_cli("--store", store.uri, "--loss", "jsd", "--tail", "none")
     assert "tail='none'" in out
     with pytest.raises(ValueError, match="--global-batch-samples 1 is smaller than the world size 2"):
-        check_inputs(config(store, global_batch_samples=1).train, store.require_run(), world_size=2)
+        check_inputs(config(store, global_batch_samples=1).train, store.manifest.require(), world_size=2)
 
     # a student whose tokenizer is not the run's
     other = Store(tmp_path / "other")
-    other.ensure_run(
+    other.manifest.ensure(
         student=str(student_path), tokenizer_fingerprint="0123456789abcdef", top_k=K, teachers={"teacher": "t"}
     )
     out = run_cli("--store", other.uri)
@@ -491,7 +492,7 @@ def test_bad_inputs_each_get_one_message(tmp_path, student_path, tokenizer, teac
 
     # an annotated part with another top-k than run.json
     topk = Store(tmp_path / "topk")
-    run = topk.ensure_run(
+    run = topk.manifest.ensure(
         student=str(student_path),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         top_k=4,

@@ -23,9 +23,10 @@ from typer.testing import CliRunner
 
 import opd_cache.cli  # noqa: F401  (registers every command on `app`)
 from opd_cache.cli.common import app
-from opd_cache.metrics import MetricsLog
-from opd_cache.schema import ShardError, read_shard
-from opd_cache.store import Store, StoreError, make_shard_id
+from opd_cache.observe.metrics import MetricsLog
+from opd_cache.storage import layout
+from opd_cache.storage.schema import ShardError, read_shard
+from opd_cache.storage.store import Store, StoreError, make_shard_id
 from tests.conftest import write_random_rollout_shard
 from tests.faults import reseal_folder, reseal_shard
 
@@ -146,7 +147,7 @@ def test_auto_map_of_an_unknown_architecture_is_refused_without_trust_remote_cod
     from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 
     tokenizer = load_tokenizer(STUDENT)
-    store.ensure_run(
+    store.manifest.ensure(
         student=str(STUDENT), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer)
     )
     run_json = (tmp_path / "store/run.json").read_bytes()
@@ -353,9 +354,9 @@ def test_shard_with_offsets_outside_its_buffers_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "call",
     [
-        lambda s: s.annotated_path("v000001-w00-000001", "../../x"),
-        lambda s: s.annotated_path("v000001-w00-000001/../..", "teacher"),
-        lambda s: s.rollout_path("../../etc/passwd"),
+        lambda s: layout.annotated_path("v000001-w00-000001", "../../x"),
+        lambda s: layout.annotated_path("v000001-w00-000001/../..", "teacher"),
+        lambda s: layout.rollout_path("../../etc/passwd"),
         lambda s: make_shard_id(1, "w0/../..", 1),
         lambda s: MetricsLog(s, "rollout", "../../x"),
     ],
@@ -371,7 +372,7 @@ def test_teacher_name_from_a_tampered_run_json_is_refused(tmp_path):
 
     store = Store(tmp_path / "store")
     write_random_rollout_shard(store, shard_id="v000000-w00-000000")
-    run = {**store.require_run(), "teachers": {"../../../x": "model"}}
+    run = {**store.manifest.require(), "teachers": {"../../../x": "model"}}
     with pytest.raises(ValueError, match=re.escape("invalid teacher name '../../../x'")):
         load_shard(store, run, "v000000-w00-000000", required_teachers(run))
 

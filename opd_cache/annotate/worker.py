@@ -44,13 +44,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from opd_cache.annotate.leases import LeaseBook
-from opd_cache.codec import META_ID_BITS, encode_annotation
 from opd_cache.config import AnnotateConfig
 from opd_cache.engine import engine_fields
-from opd_cache.manifest import plain
-from opd_cache.metrics import MetricsLog
-from opd_cache.progress import Every
-from opd_cache.schema import (
+from opd_cache.flow.staleness import is_too_stale, staleness_window
+from opd_cache.observe.metrics import MetricsLog
+from opd_cache.observe.progress import Every
+from opd_cache.storage import layout
+from opd_cache.storage.codec import META_ID_BITS, encode_annotation
+from opd_cache.storage.manifest import plain
+from opd_cache.storage.schema import (
     ANNOTATED,
     ROLLOUT,
     ShardError,
@@ -62,8 +64,7 @@ from opd_cache.schema import (
     read_shard,
     write_shard,
 )
-from opd_cache.staleness import is_too_stale, staleness_window
-from opd_cache.store import RunManifest, ShardInfo, ShardWatch, Store, TeacherRecord, validate_name
+from opd_cache.storage.store import RunManifest, ShardInfo, ShardWatch, Store, TeacherRecord, validate_name
 from opd_cache.tokenizer import check_compatible, load_tokenizer, tokenizer_fingerprint
 
 
@@ -93,7 +94,7 @@ def _student_tokenizer(store: Store, run: RunManifest):
     if run.student and os.path.isdir(run.student):
         candidates.append(run.student)
     if store.is_local:
-        candidates += [str(store.local_path(store.policy_dir(v))) for v in reversed(store.policy_versions())]
+        candidates += [str(store.local_path(layout.policy_dir(v))) for v in reversed(store.policy_versions())]
     for path in candidates:
         try:
             return load_tokenizer(path)
@@ -164,7 +165,7 @@ class Annotator:
         self.teacher_path = os.path.abspath(cfg.teacher) if os.path.isdir(cfg.teacher) else cfg.teacher
         self.console = console or Console(stderr=True)
         # with --follow a store without run.json yet is waited for (`opd run` starts every stage at once)
-        run = store.read_run() if cfg.follow else store.require_run()
+        run = store.manifest.read() if cfg.follow else store.manifest.require()
 
         # 1. tokenizer compatibility and k: checked against run.json before any weights are loaded, when it
         #    exists; otherwise the teacher loads while rollout creates it, and nothing is scored before the check
@@ -177,13 +178,13 @@ class Annotator:
         if scorer is None and (record is not None or cfg.engine != "vllm" or "top_k" in cfg.model_fields_set):
             scorer = make_scorer(cfg, record.top_k if record is not None else cfg.top_k, self.vocab_size)
         if record is None:
-            run = store.wait_for_run(cfg.poll_seconds, say=lambda line: self.console.print(line, soft_wrap=True))
+            run = store.manifest.wait(cfg.poll_seconds, say=lambda line: self.console.print(line, soft_wrap=True))
             record = self._agree_with_run(run, teacher_tok, embedding_size)
         self.scorer = scorer if scorer is not None else make_scorer(cfg, self.top_k, self.vocab_size)
 
         # 3. record this teacher; a store changed meanwhile by a contradicting worker fails here
-        self.run_info = store.register_teacher(record)
-        self.max_staleness = cfg.max_staleness  # the configuration's one bound (opd_cache/staleness.py)
+        self.run_info = store.manifest.register_teacher(record)
+        self.max_staleness = cfg.max_staleness  # the configuration's one bound (opd_cache/flow/staleness.py)
         self.union_support = cfg.engine == "hf"  # vLLM cannot gather log-probs at arbitrary ids
         self._warned_no_support = False
         worker = cfg.worker_id or f"{self.teacher}-{cfg.worker_index}"
@@ -228,7 +229,7 @@ class Annotator:
             vocab_size=self.vocab_size,
             codec=cfg.codec,
         )
-        store.check_teacher(record)
+        store.manifest.check_teacher(record)
         self.routing = plain(record.routing)
         if self.routing and self.teacher not in {*self.routing["map"].values(), self.routing.get("default")}:
             raise ValueError(
@@ -351,7 +352,7 @@ class Annotator:
     # ---------------------------------------------------------------- one shard
     def annotate_shard(self, info: ShardInfo, backlog: int = 0) -> bool:
         """Score one rollout shard and publish this teacher's part; False if there was nothing to do."""
-        part = self.store.annotated_path(info.shard_id, self.teacher)
+        part = layout.annotated_path(info.shard_id, self.teacher)
         if self.store.exists(part):  # written since the listing (a restarted or duplicate worker)
             return False
         if self.leases is None:

@@ -12,7 +12,7 @@ from opd_cache.cli.config_flags import ConfigArgs, config_flags
 def annotate_command(args: ConfigArgs) -> None:
     """Annotate rollout shards with a teacher's top-k log-probs (one part per shard and teacher)."""
     from opd_cache.annotate import annotate
-    from opd_cache.store import Store
+    from opd_cache.storage.store import Store
 
     cfg = args.resolve()
     stats = annotate(Store(cfg.store.uri, s3_endpoint=cfg.store.s3_endpoint), cfg.annotate)

@@ -28,7 +28,7 @@ def user_errors(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from opd_cache.store import StoreError
+        from opd_cache.storage.store import StoreError
 
         try:
             return fn(*args, **kwargs)

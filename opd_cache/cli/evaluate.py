@@ -11,8 +11,8 @@ import typer
 
 from opd_cache.cli.common import app, console, user_errors
 from opd_cache.cli.config_flags import ConfigArgs, config_flags
-from opd_cache.layout import RUN_JSON
-from opd_cache.store import Store
+from opd_cache.storage.layout import RUN_JSON
+from opd_cache.storage.store import Store
 
 
 def _interrupt(signum, frame):
@@ -38,9 +38,9 @@ def eval_command(
     """Evaluate a student on held-out prompts."""
     from opd_cache.evaluate import _subset, evaluate_model, evaluate_store, load_teacher, resolve_model
     from opd_cache.models import check_model_path
+    from opd_cache.observe.tracking import Tracker
     from opd_cache.tasks.prompts import check_prompts_path, load_prompts
     from opd_cache.tokenizer import load_tokenizer
-    from opd_cache.tracking import Tracker
 
     n, greedy = args.flags.get("eval.n"), args.flags.get("eval.greedy")
     if n is not None and n > 1:
@@ -54,7 +54,7 @@ def eval_command(
     if follow and not Path(model, "config.json").exists():
         # `opd run` starts the evaluator with the other stages: the store's run.json comes with the first rollout
         # worker (the evaluator's imports are done meanwhile, and its baseline, version 0, shows early)
-        Store(model, s3_endpoint=full.store.s3_endpoint).wait_for_run(2.0, say=console.print)
+        Store(model, s3_endpoint=full.store.s3_endpoint).manifest.wait(2.0, say=console.print)
     # missing local inputs: one clear line before any tokenizer, prompt file or model loads
     if "://" not in model and not Path(model, RUN_JSON).exists():
         check_model_path(model, "--model")
@@ -68,7 +68,7 @@ def eval_command(
             Tracker(
                 full.train.report_to,
                 store=store,
-                run_id=store.require_run()["run_id"],
+                run_id=store.manifest.require()["run_id"],
                 job="eval",
                 config=full.model_dump(mode="json"),
             )

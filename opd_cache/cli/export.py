@@ -6,7 +6,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from opd_cache.cli.common import app, console, err_console, user_errors
-from opd_cache.progress import Every, duration
+from opd_cache.observe.progress import Every, duration
 
 
 @app.command("export")
@@ -30,7 +30,7 @@ def export_command(
     datasets.load_dataset("parquet", data_files="DIR/<teacher>.parquet"), polars or duckdb.
     """
     from opd_cache.export import export_store
-    from opd_cache.store import Store
+    from opd_cache.storage.store import Store
 
     source = Store(store)
     plain = Every() if not err_console.is_terminal else None

@@ -11,8 +11,16 @@ import pyarrow.fs as pafs
 import typer
 
 from opd_cache.cli.common import app, console, user_errors
-from opd_cache.schema import META_ENGINE, META_ENGINE_VERSION, META_MODEL_DTYPE, ROLLOUT, list_lengths, read_shard
-from opd_cache.store import Store, parse_shard_id
+from opd_cache.storage import layout
+from opd_cache.storage.schema import (
+    META_ENGINE,
+    META_ENGINE_VERSION,
+    META_MODEL_DTYPE,
+    ROLLOUT,
+    list_lengths,
+    read_shard,
+)
+from opd_cache.storage.store import Store, parse_shard_id
 
 
 def open_shard(shard: str) -> tuple[Store, str, pa.Table, object]:
@@ -32,7 +40,7 @@ def _find_store_root(shard: str) -> Store | None:
     version partitions) live two to four levels below the store root."""
     path = Path(shard)
     for root in (path.parent.parent, path.parent.parent.parent, path.parent.parent.parent.parent):
-        if Store(root).has_run():
+        if Store(root).manifest.exists():
             return Store(root)
     return None
 
@@ -75,7 +83,7 @@ def store_root(path: str) -> Store | None:
     store = Store(path)
     if store.fs.get_file_info(store.root).type == pafs.FileType.File:
         return None
-    return store if store.has_run() else None
+    return store if store.manifest.exists() else None
 
 
 def summarize_store(store: Store, on_file=None) -> dict:
@@ -84,8 +92,8 @@ def summarize_store(store: Store, on_file=None) -> dict:
     Reads every shard once through the validated reader (so its cost grows with the store; `on_file(rel)`
     reports each one). Bytes per token are the stored bytes of a teacher's parts over the tokens they score.
     """
-    run = store.require_run()
-    shards, parts = store.list_dataset()
+    run = store.manifest.require()
+    shards, parts = store.shards.dataset()
     rollout = {"shards": len(shards), "rows": 0, "response_tokens": 0, "bytes": 0}
     teachers: dict[str, dict] = {}
     for shard in shards:
@@ -96,7 +104,7 @@ def summarize_store(store: Store, on_file=None) -> dict:
         if on_file:
             on_file(shard.path)
         for teacher in sorted(parts.get(shard.shard_id, ())):
-            rel = store.annotated_path(shard.shard_id, teacher)
+            rel = layout.annotated_path(shard.shard_id, teacher)
             part, meta = read_shard(store, rel)
             t = teachers.setdefault(
                 teacher,
@@ -158,7 +166,7 @@ def _published_dtype(store: Store) -> str | None:
     latest = store.latest_version()
     if latest == 0:
         return None
-    config = store.read_json(f"{store.policy_dir(latest)}/config.json", default=None) or {}
+    config = store.read_json(f"{layout.policy_dir(latest)}/config.json", default=None) or {}
     return config.get("dtype") or config.get("torch_dtype")
 
 
@@ -254,7 +262,7 @@ def inspect_command(
 
     tokenizer = None
     store = _find_store_root(shard)
-    run = store.read_run() if store else None
+    run = store.manifest.read() if store else None
     tok_path = tokenizer_path or (run.student if run else None)
     if tok_path and not tokenizer_path and not Path(tok_path).exists():
         tok_path = None  # a hub id: decoding is a convenience, never a reason to go to the network
@@ -301,7 +309,7 @@ def inspect_command(
 def _rollout_row(store: Store, shard_id: str, sample_id: str) -> dict | None:
     """The rollout row an annotated row scores (None when the rollout shard is not in this store)."""
     # the partitioned layout, then the flat one of stores not yet migrated (inspect reads any store)
-    for rel in (store.rollout_path(shard_id), store.flat_rollout_path(shard_id)):
+    for rel in (layout.rollout_path(shard_id), layout.flat_rollout_path(shard_id)):
         try:
             table, _ = read_shard(store, rel)
             break
@@ -315,13 +323,13 @@ def _rollout_row(store: Store, shard_id: str, sample_id: str) -> dict | None:
 
 def _teacher_part(store: Store, shard_id: str, teacher: str | None) -> tuple[str, dict] | None:
     """The annotated row of the same sample, if a teacher has annotated this shard."""
-    teachers = sorted(store.list_annotated_parts([parse_shard_id(shard_id)[0]]).get(shard_id, ()))  # its partition
+    teachers = sorted(store.shards.annotated_parts([parse_shard_id(shard_id)[0]]).get(shard_id, ()))  # its partition
     if teacher is not None and teacher not in teachers:
         raise ValueError(f"--teacher {teacher}: shard {shard_id} has parts from {teachers or 'no teacher'}")
     if not teachers:
         return None
     name = teacher or teachers[0]
-    table, _ = read_shard(store, store.annotated_path(shard_id, name))
+    table, _ = read_shard(store, layout.annotated_path(shard_id, name))
     return name, table
 
 

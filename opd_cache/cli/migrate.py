@@ -14,7 +14,8 @@ import os
 import typer
 
 from opd_cache.cli.common import app, console, user_errors
-from opd_cache.layout import ANNOTATED
+from opd_cache.storage import layout
+from opd_cache.storage.layout import ANNOTATED
 
 
 def flat_layout_moves(store) -> list[tuple[str, str]]:
@@ -26,13 +27,13 @@ def flat_layout_moves(store) -> list[tuple[str, str]]:
         if len(names) == 2 and names[1].endswith(".arrow"):
             shard_id, teacher = names[0], names[1][: -len(".arrow")]
             try:
-                moves.append((store.flat_annotated_path(shard_id, teacher), store.annotated_path(shard_id, teacher)))
+                moves.append((layout.flat_annotated_path(shard_id, teacher), layout.annotated_path(shard_id, teacher)))
             except ValueError:
                 continue  # not a shard's part: left where it is
     moves += [
-        (s.path, store.rollout_path(s.shard_id))
-        for s in store.list_rollout_shards()
-        if s.path != store.rollout_path(s.shard_id)
+        (s.path, layout.rollout_path(s.shard_id))
+        for s in store.shards.rollouts()
+        if s.path != layout.rollout_path(s.shard_id)
     ]
     return moves
 
@@ -55,10 +56,10 @@ def migrate_command(
     dry_run: bool = typer.Option(False, "--dry-run", help="Only say how many files would move."),
 ) -> None:
     """Move shards written in the flat layout of earlier versions into version partitions (once, stages stopped)."""
-    from opd_cache.store import Store
+    from opd_cache.storage.store import Store
 
     s = Store(store)
-    s.require_run()
+    s.manifest.require()
     moves = flat_layout_moves(s)
     if dry_run or not moves:
         console.print(

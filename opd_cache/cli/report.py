@@ -25,11 +25,11 @@ def report_command(
     ),
 ) -> None:
     """Write PNG plots (loss, masses/overlap, accuracy, staleness, throughput) and report.md."""
-    from opd_cache.report import summary_lines, write_report
-    from opd_cache.store import Store
+    from opd_cache.observe.report import summary_lines, write_report
+    from opd_cache.storage.store import Store
 
     s = Store(store)
-    s.require_run()
+    s.manifest.require()
     out = out or default_report_dir(store)
     summary = write_report(s, out)
     for line in summary_lines(summary):

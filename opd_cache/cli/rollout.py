@@ -15,7 +15,7 @@ from opd_cache.cli.config_flags import ConfigArgs, config_flags
 def rollout_command(args: ConfigArgs) -> None:
     """Sample student responses to prompts and publish them as rollout shards."""
     from opd_cache.rollout import run_rollout
-    from opd_cache.store import Store
+    from opd_cache.storage.store import Store
     from opd_cache.tasks.prompts import check_prompts_path
 
     cfg = args.resolve()

@@ -28,7 +28,7 @@ def run_command(
     args: ConfigArgs,
 ) -> None:
     """Start rollout, annotate, train and an evaluator as processes on one store, until training finishes."""
-    from opd_cache.run import supervise, sync_overrides, write_resolved_config
+    from opd_cache.launch.run import supervise, sync_overrides, write_resolved_config
 
     if launcher not in ("local", "ray"):
         raise ValueError(f"--launcher {launcher!r}: use local or ray")
@@ -38,7 +38,7 @@ def run_command(
     logs = logs or default_logs_dir(cfg.store.uri)
     resolved = write_resolved_config(cfg, logs / "config.yaml")
     if launcher == "ray":
-        from opd_cache.ray_launcher import supervise_ray
+        from opd_cache.launch.ray_launcher import supervise_ray
 
         raise typer.Exit(supervise_ray(cfg, resolved, logs, quiet=quiet))
     raise typer.Exit(supervise(cfg, resolved, logs, quiet=quiet))
@@ -59,7 +59,7 @@ def demo_command(
     sets: list[str] | None = SetOpt,
 ) -> None:
     """On-policy distillation on the synthetic arithmetic task, on the CPU, in minutes."""
-    from opd_cache.demo import run_demo
+    from opd_cache.launch.demo import run_demo
 
     summary = run_demo(out, seed=seed, sets=sets or [], quiet=quiet, overwrite=overwrite, engine=engine)
     raise typer.Exit(0 if summary["passed"] else 1)

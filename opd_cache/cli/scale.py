@@ -16,13 +16,13 @@ def scale_command(
     s3_endpoint: str | None = typer.Option(None, "--s3-endpoint", help="S3-compatible server (store.s3_endpoint)."),
 ) -> None:
     """Write the wanted worker counts to the store; the Ray launcher adds or removes workers within seconds."""
-    from opd_cache.ray_launcher import SCALE_FILE
-    from opd_cache.store import Store
+    from opd_cache.launch.ray_launcher import SCALE_FILE
+    from opd_cache.storage.store import Store
 
     if rollout is None and annotate is None:
         raise ValueError("opd scale: give --rollout N and/or --annotate N")
     target = Store(store, s3_endpoint=s3_endpoint)
-    target.require_run()  # a run's store, not a typo
+    target.manifest.require()  # a run's store, not a typo
     desired = dict(target.read_json(SCALE_FILE, default={}) or {})
     desired.update({k: v for k, v in (("rollout", rollout), ("annotate", annotate)) if v is not None})
     target.write_json(SCALE_FILE, desired)

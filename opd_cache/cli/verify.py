@@ -23,11 +23,11 @@ def verify_command(
     Prints each damaged or missing file with the reason, what quarantine/ holds, and a summary
     (ok / corrupt / missing / without checksum). Exit status 0 when nothing is damaged, 1 otherwise.
     """
-    from opd_cache.integrity import verify_store
-    from opd_cache.store import Store
+    from opd_cache.storage.integrity import verify_store
+    from opd_cache.storage.store import Store
 
     s = Store(store)
-    s.require_run()
+    s.manifest.require()
     checked = 0
 
     def progress(rel: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from opd_cache.progress import Every
+from opd_cache.observe.progress import Every
 
 
 class ProgressDisplay:

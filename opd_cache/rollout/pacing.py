@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from opd_cache.schema import count_rows
-from opd_cache.store import ShardWatch, Store
+from opd_cache.storage.schema import count_rows
+from opd_cache.storage.store import ShardWatch, Store
 
 
 class _RowCounts(dict):

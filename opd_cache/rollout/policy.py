@@ -9,8 +9,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from opd_cache.integrity import legacy_warning, verify_local_folder
-from opd_cache.store import COMPLETE_MARKER, Store
+from opd_cache.storage import layout
+from opd_cache.storage.integrity import legacy_warning, verify_local_folder
+from opd_cache.storage.store import COMPLETE_MARKER, Store
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 
@@ -35,7 +36,7 @@ class PolicyFiles:
     def path(self, version: int) -> str:
         if version == 0:
             return self.student
-        rel = self.store.policy_dir(version)
+        rel = layout.policy_dir(version)
         if self.store.is_local:
             path = str(self.store.local_path(rel))
         else:
@@ -66,7 +67,7 @@ class PolicyFiles:
     def newest_intact(self, latest: int) -> tuple[int, str]:
         """(version, path) of the newest published version <= `latest` that passes its checksums (0: the student)."""
         for version in range(latest, 0, -1):
-            if not self.store.exists(f"{self.store.policy_dir(version)}/{COMPLETE_MARKER}"):
+            if not self.store.exists(f"{layout.policy_dir(version)}/{COMPLETE_MARKER}"):
                 continue
             try:
                 return version, self.path(version)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from opd_cache.schema import ROLLOUT, CorruptShardError, ShardError, ShardMeta, read_shard
-from opd_cache.store import RunManifest, Store
+from opd_cache.storage.schema import ROLLOUT, CorruptShardError, ShardError, ShardMeta, read_shard
+from opd_cache.storage.store import RunManifest, Store
 
 # Keys this stage adds to a rollout shard's metadata (ShardMeta ignores keys it does not know).
 META_CURSOR = "opd.rollout.cursor"  # stream position after the shard's last prompt
@@ -67,11 +67,11 @@ def resume_point(store: Store, worker_id: str, run: RunManifest, seed: int, num_
     latest = store.latest_version()
     mine = []
     for version in range(latest, max(latest - RESUME_VERSIONS, -1), -1):
-        mine = [s for s in store.list_rollout_shards([version]) if s.worker == worker_id]
+        mine = [s for s in store.shards.rollouts([version]) if s.worker == worker_id]
         if mine:
             break
     else:
-        mine = [s for s in store.list_rollout_shards() if s.worker == worker_id]
+        mine = [s for s in store.shards.rollouts() if s.worker == worker_id]
     moved = [s.seq for s in store.quarantined_rollouts() if s.worker == worker_id]  # one LIST of quarantine/
     used_seq = max([s.seq for s in mine] + moved, default=-1)
     quarantined = []
@@ -84,7 +84,7 @@ def resume_point(store: Store, worker_id: str, run: RunManifest, seed: int, num_
             _quarantine(store, e)
             quarantined.append(last.shard_id)
             if len(quarantined) == 1:  # the previous intact shard may lie in an older partition: list them all
-                mine = [s for s in store.list_rollout_shards() if s.worker == worker_id]
+                mine = [s for s in store.shards.rollouts() if s.worker == worker_id]
             mine = [s for s in mine if s.seq < last.seq]
     if not mine:
         return ResumePoint(next_seq=used_seq + 1, quarantined=quarantined)

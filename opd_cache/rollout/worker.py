@@ -43,16 +43,17 @@ import pyarrow as pa
 
 from opd_cache.config import RolloutConfig
 from opd_cache.engine import SampleRequest, engine_fields
-from opd_cache.metrics import MetricsLog
-from opd_cache.retention import VersionHold
+from opd_cache.flow.staleness import is_too_stale
+from opd_cache.observe.metrics import MetricsLog
 from opd_cache.rollout.display import ProgressDisplay
 from opd_cache.rollout.pacing import BacklogGauge
 from opd_cache.rollout.policy import CorruptPolicyError, PolicyFiles, check_policy_tokenizer, student_id
 from opd_cache.rollout.prompt_stream import PromptStream, batch_seed
 from opd_cache.rollout.resume import RolloutShardMeta, resume_point
-from opd_cache.schema import ROLLOUT, rollout_table, write_shard
-from opd_cache.staleness import is_too_stale
-from opd_cache.store import COMPLETE_MARKER, RunManifest, Store, make_shard_id, validate_worker_id
+from opd_cache.storage import layout
+from opd_cache.storage.retention import VersionHold
+from opd_cache.storage.schema import ROLLOUT, rollout_table, write_shard
+from opd_cache.storage.store import COMPLETE_MARKER, RunManifest, Store, make_shard_id, validate_worker_id
 from opd_cache.tasks.prompts import PromptSet, load_prompts
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -203,7 +204,7 @@ class RolloutWorker:
     def _setup(self) -> None:
         cfg, store = self.cfg, self.store
         # 1. Inputs first: a bad prompt file or tokenizer fails before anything is written.
-        run = store.read_run() or RunManifest()
+        run = store.manifest.read() or RunManifest()
         student = cfg.student or run.student
         if student is None:
             raise ValueError("--student is required: this store has no run.json naming the student")
@@ -224,11 +225,11 @@ class RolloutWorker:
             vocab_size=len(self.tokenizer),
             student_topk=self.student_topk or None,
         )
-        store.check_run(run, **run_fields)  # fail before loading a model; ensure_run checks again
+        store.manifest.check(run, **run_fields)  # fail before loading a model; ensure_run checks again
 
         # 2. The newest policy; run.json is written only once the model has loaded.
         self.policies = PolicyFiles(store, student)
-        # the trainer's retention keeps the version this worker samples with (opd_cache/retention.py)
+        # the trainer's retention keeps the version this worker samples with (opd_cache/storage/retention.py)
         self.hold = VersionHold(store, f"rollout-{self.worker}", ttl_s=max(120.0, 30 * cfg.poll_seconds))
         while True:
             self.version, path = self.policies.newest_intact(store.latest_version())
@@ -237,11 +238,11 @@ class RolloutWorker:
                 self.engine = make_engine(cfg, path, self.tokenizer)
                 break
             except OSError:
-                if self.version == 0 or store.exists(f"{store.policy_dir(self.version)}/{COMPLETE_MARKER}"):
+                if self.version == 0 or store.exists(f"{layout.policy_dir(self.version)}/{COMPLETE_MARKER}"):
                     raise
                 # retention deleted it between LATEST and the hold (a newer version is out): load that one
         self.policies.release(self.version)
-        self.run_manifest = store.ensure_run(**run_fields)
+        self.run_manifest = store.manifest.ensure(**run_fields)
 
         # 3. Resume from this worker's last shard.
         resume = resume_point(store, self.worker, self.run_manifest, cfg.seed, len(self.prompts))
@@ -297,7 +298,7 @@ class RolloutWorker:
             num_prompts=len(self.prompts),
             **engine_fields(self.engine),
         )
-        write_shard(self.store, self.store.rollout_path(shard_id), buffer.table(shard_id, self.version), meta)
+        write_shard(self.store, layout.rollout_path(shard_id), buffer.table(shard_id, self.version), meta)
         self.backlog_gauge.rows[shard_id] = rows
         self.metrics.log(
             {
@@ -344,7 +345,7 @@ class RolloutWorker:
         if latest <= self.version or not self.policies.worth_trying(latest):
             return False
         self.hold.hold(self.version, latest)  # held before loading, so retention cannot delete it meanwhile
-        if not self.store.exists(f"{self.store.policy_dir(latest)}/{COMPLETE_MARKER}"):
+        if not self.store.exists(f"{layout.policy_dir(latest)}/{COMPLETE_MARKER}"):
             return True  # deleted by retention since LATEST was read, before the hold: a newer one is out
         try:
             path = self.policies.path(latest)
@@ -357,7 +358,7 @@ class RolloutWorker:
             check_policy_tokenizer(path, self.fingerprint, latest)
             self.engine.load_policy(path)
         except OSError:
-            if self.store.exists(f"{self.store.policy_dir(latest)}/{COMPLETE_MARKER}"):
+            if self.store.exists(f"{layout.policy_dir(latest)}/{COMPLETE_MARKER}"):
                 raise
             return True  # deleted by retention after the check above (its hold came too late): load a newer one
         self.policies.release(latest)

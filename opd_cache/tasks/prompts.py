@@ -85,7 +85,7 @@ class PromptSet:
 # ---------------------------------------------------------------- reading files into columns
 def _read_bytes(path: str) -> bytes:
     if "://" in path:
-        from opd_cache.store import Store
+        from opd_cache.storage.store import Store
 
         parent, _, name = path.rpartition("/")
         return Store(parent).read_bytes(name)

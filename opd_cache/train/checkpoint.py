@@ -28,7 +28,7 @@ Policy version N: `publish.PolicyPublisher` copies the weights to CPU and
 writes the HF checkpoint (safetensors, config, tokenizer) in a background
 thread; `store.publish_policy(N, folder)` copies it into `policy/v<N>`
 atomically (with `_CHECKSUMS.json` before `_COMPLETE`) and then replaces
-`policy/LATEST`; old versions are pruned (opd_cache/retention.py). A resumed
+`policy/LATEST`; old versions are pruned (opd_cache/storage/retention.py). A resumed
 trainer that re-derives a version it finds damaged publishes it again.
 
 Untrusted files. DCP writes its `.metadata` with pickle and the non-tensor
@@ -61,12 +61,19 @@ from pathlib import Path
 
 import torch
 
-from opd_cache.integrity import MANIFEST, FileProblem, legacy_warning, manifest_bytes, manifest_for, verify_local_folder
-from opd_cache.layout import TRAIN_CONSUMED as CONSUMED
-from opd_cache.layout import TRAIN_SKIPPED as SKIPPED
-from opd_cache.layout import TRAIN_STATE as STATE_ROOT
-from opd_cache.retention import prune_states
-from opd_cache.store import COMPLETE_MARKER, Store, StoreError, iter_jsonl
+from opd_cache.storage.integrity import (
+    MANIFEST,
+    FileProblem,
+    legacy_warning,
+    manifest_bytes,
+    manifest_for,
+    verify_local_folder,
+)
+from opd_cache.storage.layout import TRAIN_CONSUMED as CONSUMED
+from opd_cache.storage.layout import TRAIN_SKIPPED as SKIPPED
+from opd_cache.storage.layout import TRAIN_STATE as STATE_ROOT
+from opd_cache.storage.retention import prune_states
+from opd_cache.storage.store import COMPLETE_MARKER, Store, StoreError, iter_jsonl
 
 
 def state_rel(step: int) -> str:
@@ -126,7 +133,7 @@ def save_state(
         final = store.local_path(rel)
         folder = Path(f"{final}.tmp-save")
     else:
-        folder = Path(tempfile.gettempdir()) / f"opd-state-{store.require_run().run_id}-step-{step:06d}"
+        folder = Path(tempfile.gettempdir()) / f"opd-state-{store.manifest.require().run_id}-step-{step:06d}"
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)

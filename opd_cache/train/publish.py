@@ -6,7 +6,7 @@ writes the HF checkpoint (safetensors, config.json, generation config,
 tokenizer files) to a local temporary folder, publishes it with
 `Store.publish_policy` (`_CHECKSUMS.json`, then `_COMPLETE`, then LATEST, as
 before, so rollout sees a version only once it is complete), then prunes old
-versions (opd_cache/retention.py).
+versions (opd_cache/storage/retention.py).
 
 At most one publication is in flight: `submit` first waits for the previous
 one, so versions appear in order and at most one CPU copy of the weights
@@ -32,8 +32,9 @@ from pathlib import Path
 
 import torch
 
-from opd_cache.retention import outside_window, prune_policy_versions
-from opd_cache.store import COMPLETE_MARKER, Store
+from opd_cache.storage import layout
+from opd_cache.storage.retention import outside_window, prune_policy_versions
+from opd_cache.storage.store import COMPLETE_MARKER, Store
 
 PUBLISH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -136,13 +137,13 @@ class PolicyPublisher:
     def _publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
         store = self.store
         latest = store.latest_version()
-        marker = f"{store.policy_dir(version)}/{COMPLETE_MARKER}"
+        marker = f"{layout.policy_dir(version)}/{COMPLETE_MARKER}"
         if latest >= version:  # a resumed trainer re-deriving a version published before the crash
             if not store.exists(marker):
                 if self.keep_versions and outside_window(version, latest, self.keep_versions):
                     return  # retention deleted it since, and would delete it again
             else:
-                problems = store.verify_folder(store.policy_dir(version))
+                problems = store.verify_folder(layout.policy_dir(version))
                 if not problems:
                     return  # published before a crash; the resumed run does not move LATEST back
                 # Damaged since (rollout quarantined what failed its checksum): publish these weights again.

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from opd_cache.store import RUN_JSON, RunManifest, ShardInfo, Store
+from opd_cache.storage.store import RUN_JSON, RunManifest, ShardInfo, Store
 from opd_cache.train.shard_data import ShardCache, ShardData, required_teachers
 from opd_cache.train.stream import GlobalBatch, StreamCursor, StreamEnd
 from opd_cache.train.trainer import Trainer
@@ -65,8 +65,8 @@ def open_sources(spec: ReplaySpec) -> list[Source]:
     sources = []
     for uri in spec.sources:
         store = Store(uri)
-        run = store.require_run()
-        shards, parts = store.list_dataset()
+        run = store.manifest.require()
+        shards, parts = store.shards.dataset()
         teachers = required_teachers(run)
         if spec.teachers:
             present = set(run.teachers or {}) | {t for names in parts.values() for t in names}
@@ -114,7 +114,7 @@ def prepare_replay_store(store: Store, spec: ReplaySpec, sources: list[Source], 
             f"--store {store.uri} is one of the --from stores: a replay writes to a new store and only "
             f"reads its sources"
         )
-    run = store.read_run()
+    run = store.manifest.read()
     if run is not None and run.replay is None:
         raise ValueError(
             f"--store {store.uri} holds a run that is not a replay ({store.path(RUN_JSON)}); use a new folder"
@@ -123,7 +123,7 @@ def prepare_replay_store(store: Store, spec: ReplaySpec, sources: list[Source], 
     teachers = {}
     for s in sources:
         teachers.update({t: (s.run.teachers or {}).get(t, s.store.uri) for t in s.teachers})
-    return store.ensure_run(  # replay first: a resume with another selection is refused naming it
+    return store.manifest.ensure(  # replay first: a resume with another selection is refused naming it
         replay={**spec.to_dict(), "source_run_ids": [s.run.run_id for s in sources]},
         student=student or first.student,
         tokenizer_fingerprint=first.tokenizer_fingerprint,

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from opd_cache.manifest import RunManifest, as_manifest
-from opd_cache.schema import (
+from opd_cache.storage import layout
+from opd_cache.storage.manifest import RunManifest, as_manifest
+from opd_cache.storage.schema import (
     ANNOTATED,
     ROLLOUT,
     ShardError,
@@ -29,7 +30,7 @@ from opd_cache.schema import (
     list_lengths,
     read_shard,
 )
-from opd_cache.store import Store, parse_shard_id
+from opd_cache.storage.store import Store, parse_shard_id
 
 
 def required_teachers(run: RunManifest | dict) -> list[str]:
@@ -95,7 +96,7 @@ def load_shard(
     """Read and join a rollout shard and the parts of `teachers`; raises ShardError naming the file."""
     run = as_manifest(run)
     version = parse_shard_id(shard_id)[0]
-    rollout_rel = store.rollout_path(shard_id)
+    rollout_rel = layout.rollout_path(shard_id)
     rollout, rmeta = read_shard(store, rollout_rel, kind=ROLLOUT, run=run)
     if need_support and "student_topk_ids" not in rollout.schema.names:
         raise ShardError(
@@ -109,7 +110,7 @@ def load_shard(
 
     parts = []
     for teacher in teachers:
-        rel = store.annotated_path(shard_id, teacher)
+        rel = layout.annotated_path(shard_id, teacher)
         table, meta = read_shard(store, rel, kind=ANNOTATED, run=run)
         where = store.path(rel)
         if run.top_k is not None and meta.top_k != run.top_k:
@@ -196,7 +197,7 @@ def _one_chunk(column: pa.ChunkedArray) -> pa.Array:
 
 def read_rollout_ids(store: Store, run: RunManifest, shard_id: str) -> pa.Array:
     """The sample ids of a rollout shard (to record the rows of a shard that expired before it was annotated)."""
-    table, _ = read_shard(store, store.rollout_path(shard_id), kind=ROLLOUT, run=run)
+    table, _ = read_shard(store, layout.rollout_path(shard_id), kind=ROLLOUT, run=run)
     return _one_chunk(table["sample_id"])
 
 
@@ -213,7 +214,7 @@ class ShardCache:
 
     def refresh_run(self) -> None:
         """Re-read the manifest (a trainer started with --follow before annotate registered the teachers)."""
-        self.run = self.store.require_run()
+        self.run = self.store.manifest.require()
         self.teachers = required_teachers(self.run)
 
     def get(self, shard_id: str) -> ShardData:

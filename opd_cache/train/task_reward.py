@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from opd_cache.schema import ShardError
+from opd_cache.storage import layout
+from opd_cache.storage.schema import ShardError
 from opd_cache.tasks.rewards import compute_score
 from opd_cache.train.shard_data import ShardCache, ragged_index
 from opd_cache.train.stream import GlobalBatch, group_advantages
@@ -27,7 +28,7 @@ def score_batch(batch: GlobalBatch, cache: ShardCache, tokenizer) -> tuple[np.nd
         truths = data.ground_truth.take(rows).to_pylist()
         if any(t is None for t in truths):
             raise ShardError(
-                f"{cache.store.path(cache.store.rollout_path(shard_id))}: rows without ground_truth; "
+                f"{cache.store.path(layout.rollout_path(shard_id))}: rows without ground_truth; "
                 f"the task reward (train.task_reward_weight > 0) needs it for every row"
             )
         sources = data.data_source.take(rows).to_pylist()

@@ -34,12 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from opd_cache.config import Config, TrainConfig
-from opd_cache.demand import samples_needed_total
+from opd_cache.flow.demand import samples_needed_total
 from opd_cache.losses import LOSSES, POLICY_GRADIENT, LossConfig
-from opd_cache.metrics import MetricsLog
-from opd_cache.retention import retention_pass
-from opd_cache.store import RUN_JSON, RunManifest, Store
-from opd_cache.tracking import Tracker, check_trackers, train_metrics
+from opd_cache.observe.metrics import MetricsLog
+from opd_cache.observe.tracking import Tracker, check_trackers, train_metrics
+from opd_cache.storage.retention import retention_pass
+from opd_cache.storage.store import RUN_JSON, RunManifest, Store
 from opd_cache.train.checkpoint import (
     CorruptStateError,
     clear_ledger_after,
@@ -119,9 +119,9 @@ class Trainer:
         self.store = Store(config.store.uri, s3_endpoint=config.store.s3_endpoint)
         # with --follow a store without run.json yet is waited for (`opd run` starts every stage at once):
         # the student loads meanwhile, and is checked against run.json before anything is trained
-        run = self.store.read_run() if cfg.follow else self.store.require_run()
+        run = self.store.manifest.read() if cfg.follow else self.store.manifest.require()
         if run is None and not cfg.student:
-            run = self.store.wait_for_run(cfg.poll_seconds, say=self._say)  # the student is named there
+            run = self.store.manifest.wait(cfg.poll_seconds, say=self._say)  # the student is named there
         check_trackers(cfg.report_to)  # a missing tracker package fails before the model loads
         student = cfg.student or run.student
         if not student:
@@ -135,7 +135,7 @@ class Trainer:
         # model, loss module, sharding, optimizer
         model = load_causal_lm(student, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
         if run is None:
-            run = self.store.wait_for_run(cfg.poll_seconds, say=self._say)
+            run = self.store.manifest.wait(cfg.poll_seconds, say=self._say)
             self._check_run(run, student)
         self.run_manifest = run
         if cfg.activation_checkpointing:
@@ -497,7 +497,7 @@ class Trainer:
     # ------------------------------------------------------------------ reporting
     def _log(self, record: dict) -> None:
         self.metrics.log(record)
-        if self.tracker is not None:  # train.report_to: the same numbers, live (opd_cache/tracking.py)
+        if self.tracker is not None:  # train.report_to: the same numbers, live (opd_cache/observe/tracking.py)
             self.tracker.log(train_metrics(record, self.cursor["trained_samples"]), record["step"])
         if self.console:
             stale = " ".join(f"{k}:{v}" for k, v in record["staleness"].items())

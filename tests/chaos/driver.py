@@ -5,7 +5,7 @@ A run, top to bottom:
 1. `chaos_config` writes a shortened tiny `opd run` configuration (tests/helpers.py's
    `tiny_run_config`, more steps, no evaluator, short polls).
 2. `ChaosDriver.run` starts the stage processes with exactly the commands
-   `opd run` uses (`opd_cache.run.stage_commands`): rollout first, annotate and
+   `opd run` uses (`opd_cache.launch.run.stage_commands`): rollout first, annotate and
    train once run.json exists, as `opd run` does.
 3. It sends SIGKILL (to the stage's process group) in three ways, and restarts
    the killed stage at once with the same command:
@@ -43,8 +43,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from opd_cache.config import Config, load_config
-from opd_cache.run import StageProcess, stage_commands
-from opd_cache.store import TMP_MARKER, Store, StoreError, parse_shard_id
+from opd_cache.launch.run import StageProcess, stage_commands
+from opd_cache.storage import layout
+from opd_cache.storage.store import TMP_MARKER, Store, StoreError, parse_shard_id
 from tests.helpers import tiny_run_config, write_config
 
 HOOK_DIR = Path(__file__).resolve().parent / "hook"
@@ -402,8 +403,8 @@ class ChaosDriver:
         except (FileNotFoundError, ValueError, KeyError):
             finished = set()
         candidates = [
-            self.store.annotated_path(shard, teacher)
-            for shard, teachers in self.store.list_annotated_parts().items()
+            layout.annotated_path(shard, teacher)
+            for shard, teachers in self.store.shards.annotated_parts().items()
             if shard in finished
             for teacher in teachers
         ]

@@ -46,8 +46,9 @@ import pyarrow.compute as pc
 import torch
 
 from opd_cache.config import Config
-from opd_cache.schema import ANNOTATED, ROLLOUT, ShardMeta, check_annotation_matches, read_shard, write_shard
-from opd_cache.store import COMPLETE_MARKER, TMP_MARKER, Store, iter_jsonl, make_shard_id
+from opd_cache.storage import layout
+from opd_cache.storage.schema import ANNOTATED, ROLLOUT, ShardMeta, check_annotation_matches, read_shard, write_shard
+from opd_cache.storage.store import COMPLETE_MARKER, TMP_MARKER, Store, iter_jsonl, make_shard_id
 from opd_cache.train.checkpoint import CONSUMED, SKIPPED, complete_states, verify_ledger
 
 REPLAY_WORKER = "replay"
@@ -64,11 +65,11 @@ def _local_copy(store: Store, rel: str, scratch: Path) -> Path:
 def read_policy_weights(store: Store, version: int, scratch: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    folder = _local_copy(store, store.policy_dir(version), scratch)
+    folder = _local_copy(store, layout.policy_dir(version), scratch)
     weights = {}
     for path in sorted(folder.glob("*.safetensors")):
         weights.update(load_file(str(path)))
-    assert weights, f"{store.path(store.policy_dir(version))}: no safetensors weights"
+    assert weights, f"{store.path(layout.policy_dir(version))}: no safetensors weights"
     return weights
 
 
@@ -104,7 +105,7 @@ def check_damage(store: Store, corrupted: list[dict], pristine: Path) -> dict:
     recovered), or still in place and reported by `opd verify`'s check (nothing read it again); nothing else is
     quarantined or reported. Then the damaged files still in place get their pristine bytes back (a restore
     from backup), so that the other checks and the replay read what the stages trained on."""
-    from opd_cache.integrity import verify_store
+    from opd_cache.storage.integrity import verify_store
 
     damaged = {c["rel"] for c in corrupted}
     quarantined = store.list_quarantine()
@@ -134,7 +135,7 @@ def check_store(
     store: Store, cfg: Config, scratch: Path, corrupted: list[dict] | None = None, pristine: Path | None = None
 ) -> dict:
     """Every promise of DESIGN.md §6 about what a store holds; returns counts for the report."""
-    run = store.require_run()
+    run = store.manifest.require()
     stats: dict = {}
     stats["damage"] = check_damage(store, corrupted or [], pristine or scratch)
     quarantined = set(store.list_quarantine())
@@ -152,7 +153,7 @@ def check_store(
     stats["files"] = len(rels)
     stats["tmp_left_over"] = _count_tmp(store)
 
-    shards = store.list_rollout_shards()
+    shards = store.shards.rollouts()
     tables: dict[str, pa.Table] = {}
     shard_of_sample: dict[str, list[str]] = defaultdict(list)
     for info in shards:
@@ -164,12 +165,12 @@ def check_store(
     repeated = {s: where for s, where in shard_of_sample.items() if len(where) > 1}
     assert not repeated, f"sample ids in more than one rollout shard: {list(repeated.items())[:3]}"
 
-    parts = store.list_annotated_parts()
+    parts = store.shards.annotated_parts()
     part_samples: dict[tuple[str, str], set[str]] = {}
     for shard_id, teachers in parts.items():
         assert shard_id in tables, f"annotated parts of {shard_id} have no rollout shard"
         for teacher in teachers:
-            rel = store.annotated_path(shard_id, teacher)
+            rel = layout.annotated_path(shard_id, teacher)
             table, meta = read_shard(store, rel, kind=ANNOTATED, run=run)
             assert meta.shard_id == shard_id and meta.teacher == teacher, f"{rel}: metadata names {meta}"
             assert not run.get("routing"), "this check assumes one teacher for every row"
@@ -191,7 +192,7 @@ def check_store(
     from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 
     for v in versions:
-        folder = _local_copy(store, store.policy_dir(v), scratch)
+        folder = _local_copy(store, layout.policy_dir(v), scratch)
         load_causal_lm(str(folder))
         assert tokenizer_fingerprint(load_tokenizer(str(folder))) == run["tokenizer_fingerprint"]
 
@@ -301,7 +302,7 @@ def _check_prompt_streams(store: Store, shards, tables: dict[str, pa.Table], cfg
 # ---------------------------------------------------------------- the replay
 def build_replay_store(store: Store, replay_root: Path) -> Store:
     """A local store whose shard k holds the rows of ledger step k, in ledger order, with their annotations."""
-    run = store.require_run()
+    run = store.manifest.require()
     replay = Store(replay_root)
     manifest = {k: v for k, v in run.items() if k != "max_staleness"}  # the replay trains with unbounded staleness
     replay.write_json("run.json", manifest)
@@ -311,8 +312,8 @@ def build_replay_store(store: Store, replay_root: Path) -> Store:
         (teacher,) = {line["teacher"] for line in lines}
         rollout_parts, annotated_parts = [], []
         for source in dict.fromkeys(line["shard_id"] for line in lines):  # source shards in ledger order
-            rollout, _ = read_shard(store, store.rollout_path(source), kind=ROLLOUT, run=run)
-            part, part_meta = read_shard(store, store.annotated_path(source, teacher), kind=ANNOTATED, run=run)
+            rollout, _ = read_shard(store, layout.rollout_path(source), kind=ROLLOUT, run=run)
+            part, part_meta = read_shard(store, layout.annotated_path(source, teacher), kind=ANNOTATED, run=run)
             mine = pc.filter(sample_ids, pc.is_in(sample_ids, value_set=rollout["sample_id"].combine_chunks()))
             rollout_parts.append(rollout.take(pc.index_in(mine, value_set=rollout["sample_id"].combine_chunks())))
             annotated_parts.append(part.take(pc.index_in(mine, value_set=part["sample_id"].combine_chunks())))
@@ -327,13 +328,13 @@ def build_replay_store(store: Store, replay_root: Path) -> Store:
         )
         write_shard(
             replay,
-            replay.rollout_path(shard_id),
+            layout.rollout_path(shard_id),
             rollout_table,
             ShardMeta(kind=ROLLOUT, student_topk=int(run.get("student_topk", 0)), **common),
         )
         write_shard(
             replay,
-            replay.annotated_path(shard_id, teacher),
+            layout.annotated_path(shard_id, teacher),
             annotated_table,
             ShardMeta(kind=ANNOTATED, top_k=part_meta.top_k, teacher=teacher, **common),
         )

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from opd_cache.config import load_config
-from opd_cache.store import Store
+from opd_cache.storage.store import Store
 from tests.chaos.driver import LOCAL_KEY_POINTS, S3_KEY_POINTS, ChaosReport, run_chaos
 from tests.chaos.invariants import check_store, compare_policies, replay, scratch_dir
 

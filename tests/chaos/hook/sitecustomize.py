@@ -22,7 +22,7 @@ Kill points (`<kind>:<moment>`; kind from the store path, e.g. `rollout-shard`,
 - `<kind>:published` — `write_atomic` returned (the file is visible);
 - `train-state:saved-locally` — DCP wrote the state folder; rng/trainer.json
   and the marker not yet (local), nothing uploaded yet (S3);
-- `<kind>:deleting` — retention (opd_cache/retention.py) removed an old policy
+- `<kind>:deleting` — retention (opd_cache/storage/retention.py) removed an old policy
   version's or resume state's `_COMPLETE` marker, its files not yet.
 """
 
@@ -39,7 +39,7 @@ def _install() -> None:
     import signal
     import threading
 
-    import opd_cache.store as store_module
+    import opd_cache.storage.store as store_module
 
     real_replace = os.replace
     real_write_text = pathlib.Path.write_text

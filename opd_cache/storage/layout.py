@@ -1,6 +1,6 @@
-"""The store's layout: every name and path the stages share, in one place (the `Store` methods build on these).
+"""The store's layout: every name and path the stages share, in one place (callers use these functions).
 
-<root>/run.json                                       run manifest (opd_cache/manifest.py), created once
+<root>/run.json                                       run manifest (opd_cache/storage/manifest.py), created once
 <root>/run/teachers/<teacher>.json                    one record per teacher, created once
 <root>/rollouts/v000003/<shard_id>.arrow              written by `opd rollout`
 <root>/annotated/v000003/<shard_id>/<teacher>.arrow   written by `opd annotate`
@@ -30,7 +30,7 @@ TRAIN_STATE = "train/state"
 TRAIN_CONSUMED = "train/consumed"
 TRAIN_SKIPPED = "train/skipped"
 LEASES = "leases"  # annotate workers' shard leases, leases/<teacher>/<shard>.<generation>.json (annotate/leases.py)
-HOLDERS = "holders"  # readers' holds on policy versions (opd_cache/retention.py)
+HOLDERS = "holders"  # readers' holds on policy versions (opd_cache/storage/retention.py)
 METRICS = "metrics"
 QUARANTINE = "quarantine"
 REASON_SUFFIX = ".reason.txt"
@@ -109,3 +109,56 @@ def is_tmp(name: str) -> bool:
 def quarantine_name(rel: str) -> str:
     """The name of a moved file in quarantine/: its store path with '/' as '__' (unique, and says where it was)."""
     return rel.replace("/", "__")
+
+
+# ------------------------------------------------------------------ paths (store-relative)
+def rollout_path(shard_id: str) -> str:
+    version, _, _ = parse_shard_id(shard_id)
+    return f"{ROLLOUTS}/{partition_name(version)}/{shard_id}.arrow"
+
+
+def annotated_path(shard_id: str, teacher: str) -> str:
+    version, _, _ = parse_shard_id(shard_id)
+    validate_name("teacher name", teacher)
+    return f"{ANNOTATED}/{partition_name(version)}/{shard_id}/{teacher}.arrow"
+
+
+def flat_rollout_path(shard_id: str) -> str:
+    """Where earlier versions kept a rollout shard (`rollouts/<shard_id>.arrow`, before the partitions)."""
+    parse_shard_id(shard_id)
+    return f"{ROLLOUTS}/{shard_id}.arrow"
+
+
+def flat_annotated_path(shard_id: str, teacher: str) -> str:
+    """Where earlier versions kept an annotated part (`annotated/<shard_id>/<teacher>.arrow`)."""
+    parse_shard_id(shard_id)
+    return f"{ANNOTATED}/{shard_id}/{validate_name('teacher name', teacher)}.arrow"
+
+
+def policy_dir(version: int) -> str:
+    return f"{POLICY}/{partition_name(version)}"
+
+
+def teacher_path(name: str) -> str:
+    return f"{TEACHERS_DIR}/{validate_name('teacher name', name)}.json"
+
+
+def skipped_path(shard_id: str) -> str:
+    """The trainer's ledger of the rows of `shard_id` it will never train (unrouted, expired, lost)."""
+    parse_shard_id(shard_id)
+    return f"{TRAIN_SKIPPED}/{shard_id}.jsonl"
+
+
+def metrics_dir(stem: str | None = None) -> str:
+    """`metrics/`, or the folder of one log's segments (object stores: see opd_cache/observe/metrics.py)."""
+    return f"{METRICS}/{stem}" if stem else METRICS
+
+
+def metrics_path(stem: str, segment: str | None = None) -> str:
+    """`metrics/<stem>.jsonl` (appended on local stores), or a segment `metrics/<stem>/<segment>` of it."""
+    return f"{metrics_dir(stem)}/{segment}" if segment else f"{METRICS}/{stem}.jsonl"
+
+
+def quarantine_path(rel: str) -> str:
+    """Where `Store.quarantine(rel)` moves a file (whether it is there tells a quarantined file from a missing one)."""
+    return f"{QUARANTINE}/{quarantine_name(rel)}"

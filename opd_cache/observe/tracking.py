@@ -20,7 +20,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from opd_cache.store import Store
+from opd_cache.storage import layout
+from opd_cache.storage.store import Store
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # name in report_to -> package it needs
 
@@ -68,7 +69,7 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             if store.is_local:
-                log_dir = store.local_path(store.metrics_dir("tensorboard"))
+                log_dir = store.local_path(layout.metrics_dir("tensorboard"))
             else:
                 log_dir = os.path.join("tensorboard", run_id)
             # one folder per job: TensorBoard shows the trainer and the evaluator as two runs of one experiment

@@ -11,7 +11,7 @@ is never visible, so we write the final key directly. Every listing ignores
 stores, so a version counts as published only once its `_COMPLETE` marker
 exists (written last), and LATEST is replaced only after that.
 
-Integrity (opd_cache/integrity.py): shards end with an xxh3-64 trailer, checkpoint folders hold
+Integrity (opd_cache/storage/integrity.py): shards end with an xxh3-64 trailer, checkpoint folders hold
 `_CHECKSUMS.json` (written before `_COMPLETE`); `read_buffer` hands readers a whole file in one read so
 they can verify it before use, and `verify_folder` checks a folder against its manifest.
 """
@@ -30,8 +30,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from opd_cache.integrity import MANIFEST, ChecksumError, FileProblem, check_file, parse_manifest, verify_local_folder
-from opd_cache.layout import TMP_MARKER, StoreError, is_tmp
+from opd_cache.storage.integrity import (
+    MANIFEST,
+    ChecksumError,
+    FileProblem,
+    check_file,
+    parse_manifest,
+    verify_local_folder,
+)
+from opd_cache.storage.layout import TMP_MARKER, StoreError, is_tmp
 
 
 def _os_reason(e: OSError) -> str:

@@ -26,7 +26,15 @@ from pathlib import Path
 
 import xxhash
 
-from opd_cache.layout import ANNOTATED, COMPLETE_MARKER, POLICY, QUARANTINE, REASON_SUFFIX, ROLLOUTS, TRAIN_STATE
+from opd_cache.storage.layout import (
+    ANNOTATED,
+    COMPLETE_MARKER,
+    POLICY,
+    QUARANTINE,
+    REASON_SUFFIX,
+    ROLLOUTS,
+    TRAIN_STATE,
+)
 
 ALGORITHM = "xxh3_64"
 TRAILER_MAGIC = b"OPDXXH3\x01"

@@ -1,7 +1,7 @@
 """`opd run --launcher ray`: the same stage commands as `opd run`, each run by a Ray actor (docs/scale-out.md).
 
 Every stage worker is an actor (ray_actor.py) that runs the stage's usual command (`python -m opd_cache.cli
-<stage> …`, the argv of `opd_cache.run.stage_commands`) as its child process, so a stage behaves exactly as
+<stage> …`, the argv of `opd_cache.launch.run.stage_commands`) as its child process, so a stage behaves exactly as
 under the local launcher or on a hand-started machine. Why a child and not the stage in the actor's own
 process: the stages own their process (signal handlers, torch threads, `torch.distributed` state, CUDA
 context), and a restart must start from a clean one. The child dies with its actor (PR_SET_PDEATHSIG), and
@@ -31,10 +31,10 @@ from pathlib import Path
 
 import opd_cache
 from opd_cache.config import Config, StageResources
-from opd_cache.demand import announce_demand
-from opd_cache.ray_actor import StageWorker
-from opd_cache.run import RunDisplay, StopSignals, stage_commands
-from opd_cache.store import Store, StoreError
+from opd_cache.flow.demand import announce_demand
+from opd_cache.launch.ray_actor import StageWorker
+from opd_cache.launch.run import RunDisplay, StopSignals, stage_commands
+from opd_cache.storage.store import Store, StoreError
 
 SCALE_FILE = "launch/scale.json"  # {"rollout": R, "annotate": A}: written by `opd scale`, read by the launcher
 RETIRE_SECONDS = 30.0  # a worker scaled away has this long to stop cleanly after its SIGINT, then it is killed
@@ -338,7 +338,7 @@ class RayLauncher:
 
 
 def supervise_ray(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False) -> int:
-    """`opd run --launcher ray`: like `opd_cache.run.supervise`, with the stages as Ray actors."""
+    """`opd run --launcher ray`: like `opd_cache.launch.run.supervise`, with the stages as Ray actors."""
     try:
         import ray  # noqa: F401
     except ImportError:

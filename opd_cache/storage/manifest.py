@@ -1,6 +1,7 @@
-"""The run manifest: what every stage must agree on, as typed records (read and written only through `Store`).
+"""The run manifest: what every stage must agree on, as typed records, read and written by `ManifestFiles`
+(a store's `store.manifest`).
 
-Two kinds of object make it up (DESIGN.md §2):
+Two kinds of object make it up (docs/design.md §2):
 
     <root>/run.json                  created once by the first rollout worker (or `opd replay`): the run id, the
                                      student and its tokenizer; a later rollout worker fills in what is missing
@@ -8,7 +9,7 @@ Two kinds of object make it up (DESIGN.md §2):
                                      top_k and routing it annotates with; never rewritten
 
 so annotate workers never read-modify-write a shared file: each teacher's record is one create-if-absent object,
-and `Store.read_run()` combines run.json with them into one `RunManifest`. Stores written before the teacher
+and `store.manifest.read()` combines run.json with them into one `RunManifest`. Stores written before the teacher
 records held `teachers`, `top_k` and `routing` in run.json itself; they read the same.
 
 The JSON keys are those of run.json since its first version, so existing stores, `opd migrate`, `opd verify` and
@@ -20,14 +21,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from opd_cache.layout import RUN_JSON, SCHEMA_VERSION, TEACHERS_DIR, StoreError, validate_name
-
-if TYPE_CHECKING:
-    from opd_cache.store import Store
+from opd_cache.storage.filestore import FileStore
+from opd_cache.storage.layout import RUN_JSON, SCHEMA_VERSION, TEACHERS_DIR, StoreError, teacher_path, validate_name
 
 
 class ManifestError(StoreError):
@@ -198,122 +197,127 @@ def plain(value: Any) -> Any:
     return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
-# ---------------------------------------------------------------- reading and writing (the `Store` methods)
-def read_run(store: Store) -> RunManifest | None:
-    """run.json combined with the teacher records (opd_cache/manifest.py), or None before run.json exists."""
-    data = store.read_json(RUN_JSON)
-    if data is None:
-        return None
-    return RunManifest.from_json(data, store.path(RUN_JSON)).with_teachers(store.teacher_records())
+# ---------------------------------------------------------------- reading and writing
+class ManifestFiles:
+    """run.json and the teacher records of one store (`store.manifest`): read, create, check, register."""
 
+    def __init__(self, files: FileStore):
+        self.files = files
 
-def require_run(store: Store) -> RunManifest:
-    run = store.read_run()
-    if run is None:
-        raise StoreError(f"{store.path(RUN_JSON)} does not exist: run `opd rollout` on this store first")
-    return run
+    def exists(self) -> bool:
+        """run.json exists: the first rollout worker (or `opd replay`) created the run."""
+        return self.files.exists(RUN_JSON)
 
+    def read(self) -> RunManifest | None:
+        """run.json combined with the teacher records, or None before run.json exists."""
+        data = self.files.read_json(RUN_JSON)
+        if data is None:
+            return None
+        return RunManifest.from_json(data, self.files.path(RUN_JSON)).with_teachers(self.teachers())
 
-def wait_for_run(store: Store, poll_seconds: float, say=None) -> RunManifest:
-    """run.json once the first rollout worker has created it; `say` (e.g. print) hears once that this waits.
+    def require(self) -> RunManifest:
+        run = self.read()
+        if run is None:
+            raise StoreError(f"{self.files.path(RUN_JSON)} does not exist: run `opd rollout` on this store first")
+        return run
 
-    `opd run` starts every stage at once: annotate and train load their models, then wait here."""
-    while (run := store.read_run()) is None:
-        if say is not None:
-            say(f"waiting for {store.path(RUN_JSON)} (the first rollout worker creates it)")
-            say = None
-        time.sleep(min(poll_seconds, 1.0))  # at most a second late: the first step waits on it
-    return run
+    def wait(self, poll_seconds: float, say=None) -> RunManifest:
+        """run.json once the first rollout worker has created it; `say` (e.g. print) hears once that this waits.
 
+        `opd run` starts every stage at once: annotate and train load their models, then wait here."""
+        while (run := self.read()) is None:
+            if say is not None:
+                say(f"waiting for {self.files.path(RUN_JSON)} (the first rollout worker creates it)")
+                say = None
+            time.sleep(min(poll_seconds, 1.0))  # at most a second late: the first step waits on it
+        return run
 
-def ensure_run(store: Store, **fields: Any) -> RunManifest:
-    """Create run.json on first touch, else check `fields` against it and fill the missing ones.
+    def ensure(self, **fields: Any) -> RunManifest:
+        """Create run.json on first touch, else check `fields` against it and fill the missing ones.
 
-    Only the writers of run.json's own fields call this (rollout workers, `opd replay`); teachers record
-    themselves with `register_teacher`, so annotate workers never rewrite run.json.
-    """
-    fields = {k: v for k, v in fields.items() if v is not None}
-    run = store.read_run()
-    if run is None:
-        new = RunManifest.new(SCHEMA_VERSION, **fields)
-        store.create_if_absent(RUN_JSON, new.to_json())
-        run = store.read_run()
-    store.check_run(run, **fields)
-    missing = {key: plain(value) for key, value in fields.items() if run.get(key) is None}
-    if missing:
-        stored = store.read_json(RUN_JSON)  # as stored: without the teacher records, with unknown keys
-        store.write_bytes(RUN_JSON, RunManifest.from_json({**stored, **missing}, store.path(RUN_JSON)).to_json())
-        run = store.read_run()
-    return run
+        Only the writers of run.json's own fields call this (rollout workers, `opd replay`); teachers record
+        themselves with `register_teacher`, so annotate workers never rewrite run.json.
+        """
+        files = self.files
+        fields = {k: v for k, v in fields.items() if v is not None}
+        run = self.read()
+        if run is None:
+            new = RunManifest.new(SCHEMA_VERSION, **fields)
+            files.create_if_absent(RUN_JSON, new.to_json())
+            run = self.read()
+        self.check(run, **fields)
+        missing = {key: plain(value) for key, value in fields.items() if run.get(key) is None}
+        if missing:
+            stored = files.read_json(RUN_JSON)  # as stored: without the teacher records, with unknown keys
+            files.write_bytes(RUN_JSON, RunManifest.from_json({**stored, **missing}, files.path(RUN_JSON)).to_json())
+            run = self.read()
+        return run
 
+    def check(self, run: RunManifest, **fields: Any) -> None:
+        """A field recorded in `run` with a different value is a contradiction (the store belongs to another
+        run / tokenizer / top-k): raise, naming both. Fields that are None or not recorded yet pass."""
+        for key, value in fields.items():
+            recorded = run.get(key)
+            if value is not None and recorded is not None and recorded != plain(value):
+                raise StoreError(contradiction(self.files.path(RUN_JSON), key, recorded, plain(value)))
 
-def check_run(store: Store, run: RunManifest, **fields: Any) -> None:
-    """A field recorded in `run` with a different value is a contradiction (the store belongs to another
-    run / tokenizer / top-k): raise, naming both. Fields that are None or not recorded yet pass."""
-    for key, value in fields.items():
-        recorded = run.get(key)
-        if value is not None and recorded is not None and recorded != plain(value):
-            raise StoreError(contradiction(store.path(RUN_JSON), key, recorded, plain(value)))
+    def teachers(self) -> list[TeacherRecord]:
+        """The teachers registered in `run/teachers/` (one LIST, one GET each), by name."""
+        files, records = self.files, []
+        for info in sorted(files.list_files(TEACHERS_DIR), key=lambda i: i.base_name):
+            rel = f"{TEACHERS_DIR}/{info.base_name}"
+            data = files.read_json(rel) if info.base_name.endswith(".json") else None
+            if data is None:  # not a record, or withdrawn since the listing
+                continue
+            record = TeacherRecord.from_json(data, files.path(rel))
+            if teacher_path(record.name) != rel:
+                raise ManifestError(f"{files.path(rel)} names teacher {record.name!r}, not its file name")
+            records.append(record)
+        return records
 
+    def check_teacher(self, record: TeacherRecord) -> RunManifest:
+        """Refuse a teacher that contradicts the run: run.json (tokenizer; in older stores also top_k, routing and
+        the teachers), an earlier registration of the same name, or another teacher's top_k or routing.
+        Returns the manifest as it is (with the registered teachers)."""
+        files = self.files
+        data = files.read_json(RUN_JSON)
+        if data is None:
+            self.require()  # raises, naming the missing run.json
+        stored = RunManifest.from_json(data, files.path(RUN_JSON))
+        self.check(
+            stored,
+            top_k=record.top_k,
+            routing=record.routing,
+            tokenizer_fingerprint=record.tokenizer_fingerprint,
+            vocab_size=record.vocab_size,
+        )
+        legacy = (stored.teachers or {}).get(record.name)
+        if legacy is not None and legacy != record.model:
+            raise StoreError(teacher_contradiction(files.path(RUN_JSON), record.name, legacy, record.model))
+        records = self.teachers()
+        for other in records:
+            where = files.path(teacher_path(other.name))
+            if other.name == record.name and other.model != record.model:
+                raise StoreError(teacher_contradiction(where, record.name, other.model, record.model))
+            for key in TeacherRecord.CHECKED[1:] if other.name == record.name else ("top_k", "routing"):
+                recorded, given = plain(getattr(other, key)), plain(getattr(record, key))
+                if recorded is not None and given is not None and recorded != given:
+                    raise StoreError(contradiction(where, key, recorded, given))
+        return stored.with_teachers(records)
 
-def teacher_records(store: Store) -> list[TeacherRecord]:
-    """The teachers registered in `run/teachers/` (one LIST, one GET each), by name."""
-    records = []
-    for info in sorted(store.list_files(TEACHERS_DIR), key=lambda i: i.base_name):
-        rel = f"{TEACHERS_DIR}/{info.base_name}"
-        data = store.read_json(rel) if info.base_name.endswith(".json") else None
-        if data is None:  # not a record, or withdrawn since the listing
-            continue
-        record = TeacherRecord.from_json(data, store.path(rel))
-        if store.teacher_path(record.name) != rel:
-            raise ManifestError(f"{store.path(rel)} names teacher {record.name!r}, not its file name")
-        records.append(record)
-    return records
+    def register_teacher(self, record: TeacherRecord) -> RunManifest:
+        """Record a teacher in its own create-if-absent object; returns the manifest with it.
 
-
-def check_teacher(store: Store, record: TeacherRecord) -> RunManifest:
-    """Refuse a teacher that contradicts the run: run.json (tokenizer; in older stores also top_k, routing and
-    the teachers), an earlier registration of the same name, or another teacher's top_k or routing.
-    Returns the manifest as it is (with the registered teachers)."""
-    data = store.read_json(RUN_JSON)
-    if data is None:
-        store.require_run()  # raises, naming the missing run.json
-    stored = RunManifest.from_json(data, store.path(RUN_JSON))
-    store.check_run(
-        stored,
-        top_k=record.top_k,
-        routing=record.routing,
-        tokenizer_fingerprint=record.tokenizer_fingerprint,
-        vocab_size=record.vocab_size,
-    )
-    legacy = (stored.teachers or {}).get(record.name)
-    if legacy is not None and legacy != record.model:
-        raise StoreError(teacher_contradiction(store.path(RUN_JSON), record.name, legacy, record.model))
-    records = store.teacher_records()
-    for other in records:
-        where = store.path(store.teacher_path(other.name))
-        if other.name == record.name and other.model != record.model:
-            raise StoreError(teacher_contradiction(where, record.name, other.model, record.model))
-        for key in TeacherRecord.CHECKED[1:] if other.name == record.name else ("top_k", "routing"):
-            recorded, given = plain(getattr(other, key)), plain(getattr(record, key))
-            if recorded is not None and given is not None and recorded != given:
-                raise StoreError(contradiction(where, key, recorded, given))
-    return stored.with_teachers(records)
-
-
-def register_teacher(store: Store, record: TeacherRecord) -> RunManifest:
-    """Record a teacher in its own create-if-absent object; returns the manifest with it.
-
-    Its first worker writes the record, its other workers and restarts find it and must agree. Checked before
-    (a contradiction leaves the store untouched) and after the write: two teachers registering contradicting
-    top_k or routing at once both wrote their record, and a writer that finds the other's withdraws its own.
-    """
-    store.check_teacher(record)
-    rel = store.teacher_path(record.name)
-    created = store.create_if_absent(rel, record.to_json())
-    try:
-        return store.check_teacher(record)
-    except StoreError:
-        if created:
-            store.delete(rel)
-        raise
+        Its first worker writes the record, its other workers and restarts find it and must agree. Checked before
+        (a contradiction leaves the store untouched) and after the write: two teachers registering contradicting
+        top_k or routing at once both wrote their record, and a writer that finds the other's withdraws its own.
+        """
+        self.check_teacher(record)
+        rel = teacher_path(record.name)
+        created = self.files.create_if_absent(rel, record.to_json())
+        try:
+            return self.check_teacher(record)
+        except StoreError:
+            if created:
+                self.files.delete(rel)
+            raise

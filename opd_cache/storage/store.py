@@ -1,11 +1,11 @@
 """Shared dataset storage: the only thing the three stages have in common.
 
-`Store` is a `FileStore` (opd_cache/filestore.py: atomic writes and create-if-absent over `pyarrow.fs`, local and
-object stores alike) that knows the run's layout (opd_cache/layout.py names every path): shards and their
-listings (opd_cache/listing.py), the run manifest (opd_cache/manifest.py), policy versions, the trainer's status
+`Store` is a `FileStore` (opd_cache/storage/filestore.py: atomic writes and create-if-absent over `pyarrow.fs`, local and
+object stores alike) that knows the run's layout (opd_cache/storage/layout.py names every path): shards and their
+listings (opd_cache/storage/listing.py), the run manifest (opd_cache/storage/manifest.py), policy versions, the trainer's status
 files and quarantine. The stages reach every store path through its methods.
 
-Integrity (opd_cache/integrity.py): shards end with an xxh3-64 trailer, checkpoint folders hold
+Integrity (opd_cache/storage/integrity.py): shards end with an xxh3-64 trailer, checkpoint folders hold
 `_CHECKSUMS.json` (written before `_COMPLETE`); `read_buffer` hands readers a whole file in one read so
 they can verify it before use, and `verify_folder` checks a folder against its manifest.
 """
@@ -18,22 +18,18 @@ import os
 import secrets
 import shutil
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-from opd_cache import listing, manifest
-from opd_cache.filestore import FileStore
-from opd_cache.integrity import (
+from opd_cache.storage.filestore import FileStore
+from opd_cache.storage.integrity import (
     MANIFEST,
     manifest_bytes,
     manifest_for,
 )
-from opd_cache.layout import (
-    ANNOTATED,
+from opd_cache.storage.layout import (
     COMPLETE_MARKER,
     LATEST,
-    METRICS,
     PARTITION_RE,
     POLICY,
     QUARANTINE,
@@ -41,22 +37,22 @@ from opd_cache.layout import (
     ROLLOUTS,
     RUN_JSON,
     SHARD_ID_RE,
-    TEACHERS_DIR,
     TMP_MARKER,
     TRAIN_DONE,
     TRAIN_PROGRESS,
-    TRAIN_SKIPPED,
     ShardInfo,
     StoreError,
     make_shard_id,
     parse_shard_id,
     partition_name,
+    policy_dir,
     quarantine_name,
+    quarantine_path,
     validate_name,
     validate_worker_id,
 )
-from opd_cache.listing import ShardTally, ShardWatch
-from opd_cache.manifest import RunManifest, TeacherRecord
+from opd_cache.storage.listing import ShardListing, ShardTally, ShardWatch
+from opd_cache.storage.manifest import ManifestFiles, RunManifest, TeacherRecord
 
 __all__ = [  # the names other modules import from here (they live in layout.py, manifest.py, listing.py)
     "COMPLETE_MARKER",
@@ -80,92 +76,20 @@ __all__ = [  # the names other modules import from here (they live in layout.py,
 
 
 class Store(FileStore):
-    """A run's shared storage. Construct with a path or URI; all methods take store-relative paths."""
+    """A run's shared storage. Construct with a path or URI; all methods take store-relative paths (layout.py).
 
-    # ------------------------------------------------------------------ paths
-    def rollout_path(self, shard_id: str) -> str:
-        version, _, _ = parse_shard_id(shard_id)
-        return f"{ROLLOUTS}/{partition_name(version)}/{shard_id}.arrow"
+    Beside the file operations it inherits, a store has two parts of its own: `manifest` (run.json and the
+    teacher records, manifest.py) and `shards` (the listings of shards and parts, listing.py); its own methods
+    below cover policy versions, the trainer's status files and quarantine.
+    """
 
-    def annotated_path(self, shard_id: str, teacher: str) -> str:
-        version, _, _ = parse_shard_id(shard_id)
-        validate_name("teacher name", teacher)
-        return f"{ANNOTATED}/{partition_name(version)}/{shard_id}/{teacher}.arrow"
+    manifest: ManifestFiles
+    shards: ShardListing
 
-    def flat_rollout_path(self, shard_id: str) -> str:
-        """Where earlier versions kept a rollout shard (`rollouts/<shard_id>.arrow`, before the partitions)."""
-        parse_shard_id(shard_id)
-        return f"{ROLLOUTS}/{shard_id}.arrow"
-
-    def flat_annotated_path(self, shard_id: str, teacher: str) -> str:
-        """Where earlier versions kept an annotated part (`annotated/<shard_id>/<teacher>.arrow`)."""
-        parse_shard_id(shard_id)
-        return f"{ANNOTATED}/{shard_id}/{validate_name('teacher name', teacher)}.arrow"
-
-    def policy_dir(self, version: int) -> str:
-        return f"{POLICY}/{partition_name(version)}"
-
-    def skipped_path(self, shard_id: str) -> str:
-        """The trainer's ledger of the rows of `shard_id` it will never train (unrouted, expired, lost)."""
-        parse_shard_id(shard_id)
-        return f"{TRAIN_SKIPPED}/{shard_id}.jsonl"
-
-    def metrics_path(self, stem: str, segment: str | None = None) -> str:
-        """`metrics/<stem>.jsonl` (appended on local stores), or a segment `metrics/<stem>/<segment>` of it."""
-        return f"{self.metrics_dir(stem)}/{segment}" if segment else f"{METRICS}/{stem}.jsonl"
-
-    def metrics_dir(self, stem: str | None = None) -> str:
-        """`metrics/`, or the folder of one log's segments (object stores: see opd_cache/metrics.py)."""
-        return f"{METRICS}/{stem}" if stem else METRICS
-
-    def quarantine_path(self, rel: str) -> str:
-        """Where `quarantine(rel)` moves a file (whether it is there tells a quarantined file from a missing one)."""
-        return f"{QUARANTINE}/{quarantine_name(rel)}"
-
-    # ----------------------------------------------------------- run manifest (opd_cache/manifest.py)
-    def has_run(self) -> bool:
-        """run.json exists: the first rollout worker (or `opd replay`) created the run."""
-        return self.exists(RUN_JSON)
-
-    def read_run(self) -> RunManifest | None:
-        return manifest.read_run(self)
-
-    def require_run(self) -> RunManifest:
-        return manifest.require_run(self)
-
-    def wait_for_run(self, poll_seconds: float, say=None) -> RunManifest:
-        return manifest.wait_for_run(self, poll_seconds, say)
-
-    def ensure_run(self, **fields: Any) -> RunManifest:
-        return manifest.ensure_run(self, **fields)
-
-    def check_run(self, run: RunManifest, **fields: Any) -> None:
-        manifest.check_run(self, run, **fields)
-
-    def teacher_path(self, name: str) -> str:
-        return f"{TEACHERS_DIR}/{validate_name('teacher name', name)}.json"
-
-    def teacher_records(self) -> list[TeacherRecord]:
-        return manifest.teacher_records(self)
-
-    def check_teacher(self, record: TeacherRecord) -> RunManifest:
-        return manifest.check_teacher(self, record)
-
-    def register_teacher(self, record: TeacherRecord) -> RunManifest:
-        return manifest.register_teacher(self, record)
-
-    # ------------------------------------------------------------ rollouts (opd_cache/listing.py)
-    def list_rollout_shards(self, versions: Iterable[int] | None = None) -> list[ShardInfo]:
-        return listing.list_rollout_shards(self, versions)
-
-    def list_annotated_parts(self, versions: Iterable[int] | None = None) -> dict[str, set[str]]:
-        return listing.list_annotated_parts(self, versions)
-
-    def legacy_layout_hint(self, shards: list[ShardInfo]) -> str | None:
-        return listing.legacy_layout_hint(self, shards)
-
-    def list_dataset(self) -> tuple[list[ShardInfo], dict[str, set[str]]]:
-        return listing.list_dataset(self)
+    def __init__(self, uri: str | os.PathLike, *, s3_endpoint: str | None = None):
+        super().__init__(uri, s3_endpoint=s3_endpoint)
+        self.manifest = ManifestFiles(self)
+        self.shards = ShardListing(self)
 
     # -------------------------------------------------------------- policy
     def latest_version(self) -> int:
@@ -177,10 +101,10 @@ class Store(FileStore):
         if not text.isdigit():
             raise StoreError(f"{self.path(LATEST)} holds {text!r}, expected a version number")
         version = int(text)
-        if version > 0 and not self.exists(f"{self.policy_dir(version)}/{COMPLETE_MARKER}"):
+        if version > 0 and not self.exists(f"{policy_dir(version)}/{COMPLETE_MARKER}"):
             raise StoreError(
                 f"{self.path(LATEST)} points at version {version} but "
-                f"{self.path(self.policy_dir(version))} is missing or incomplete"
+                f"{self.path(policy_dir(version))} is missing or incomplete"
             )
         return version
 
@@ -190,7 +114,7 @@ class Store(FileStore):
         The folder gets `_CHECKSUMS.json` (every file's size and xxh3-64) before its `_COMPLETE` marker.
         `point_latest=False` re-publishes an older version whose files were damaged, leaving LATEST alone.
         """
-        rel = self.policy_dir(version)
+        rel = policy_dir(version)
         if self.is_local:
             final = self.local_path(rel)
             if not (final / COMPLETE_MARKER).exists():
@@ -226,7 +150,7 @@ class Store(FileStore):
             return [
                 v
                 for v in range(max(after, 0) + 1, latest + 1)
-                if v == latest or self.exists(f"{self.policy_dir(v)}/{COMPLETE_MARKER}")
+                if v == latest or self.exists(f"{policy_dir(v)}/{COMPLETE_MARKER}")
             ]
         versions = []
         for name in self.list_dirs(POLICY):
@@ -273,7 +197,7 @@ class Store(FileStore):
     # ----------------------------------------------------------- quarantine
     def quarantine(self, rel: str, reason: str) -> str:
         """Move a file that failed validation aside, with the reason beside it; returns the new path."""
-        dest = self.quarantine_path(rel)
+        dest = quarantine_path(rel)
         self._makedirs(self.path(QUARANTINE))
         self.write_bytes(f"{dest}{REASON_SUFFIX}", f"{rel}: {reason}\n".encode())
         if self.is_local:

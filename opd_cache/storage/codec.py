@@ -28,7 +28,7 @@ rise as log-probs fall): every consumer sees entries best first, ties by
 ascending id.
 
 The quantizers, their scales and the error bounds that tests/test_codec.py checks for every entry are in
-opd_cache/quantize.py: log-probs as 8-bit codes relative to the row's maximum (gap scale 1 nat), the
+opd_cache/storage/quantize.py: log-probs as 8-bit codes relative to the row's maximum (gap scale 1 nat), the
 mass so that both log m and the tail log(1 - m) keep ~2**-9 precision, the sampled token's log-prob within
 2**-10 nats (the k1/k3 estimators and policy-gradient OPD read it).
 
@@ -50,7 +50,7 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from opd_cache.columns import (
+from opd_cache.storage.columns import (
     ShardError,
     annotated_schema,
     flat_values,
@@ -59,7 +59,7 @@ from opd_cache.columns import (
     ragged,
     ragged_fixed,
 )
-from opd_cache.quantize import (
+from opd_cache.storage.quantize import (
     GAP_SCALE,
     LEGACY_GAP_SCALE,
     TABLE_CHUNK,
@@ -195,7 +195,7 @@ IDS_PACKED, IDS_BITMAP = "ids_packed", "ids_bitmap"  # its id child: k ids at b 
 META_VOCAB = b"opd.vocab_size"  # field metadata of the bitmap child: V, so its width can be checked
 META_ORDER = b"opd.entry_order"  # field metadata of the codes child: "id" or "rank", the order a part stores entries in
 
-# the per-token columns a packed part may hold (opd_cache/schema.py checks that their lengths agree): version 3's
+# the per-token columns a packed part may hold (opd_cache/storage/schema.py checks that their lengths agree): version 3's
 # one column, and versions 1 and 2's flat columns (read only)
 LEGACY_IDS_PACKED, LEGACY_IDS_BITMAP = "teacher_topk_ids_packed", "teacher_topk_ids_bitmap"
 PACKED_COLUMNS = (
@@ -225,7 +225,7 @@ def packed_fields(
 ) -> list[pa.Field]:
     """The columns of a version-3 packed part (an optional `teacher_support_logprobs` comes after them): the
     per-token struct with ids as a bitmap (vocab_size > 0) or packed, ranges as levels or float32, the mass and
-    the sampled token's log-prob as opd_cache/quantize.py codes; `order` ("id" or "rank") goes in the codes'
+    the sampled token's log-prob as opd_cache/storage/quantize.py codes; `order` ("id" or "rank") goes in the codes'
     metadata."""
     if vocab_size:
         ids = pa.field(

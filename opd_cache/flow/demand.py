@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from opd_cache.config import TrainConfig
-    from opd_cache.store import Store
+    from opd_cache.storage.store import Store
 
 
 def samples_needed_total(cfg: TrainConfig) -> int | None:

@@ -20,8 +20,8 @@ import os
 import shutil
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]  # the checkout, when this file is in one
-PACKAGED = Path(__file__).resolve().parent / "demo_data"  # the copies a wheel carries
+REPO = Path(__file__).resolve().parents[2]  # the checkout, when this file is in one
+PACKAGED = Path(__file__).resolve().parents[1] / "demo_data"  # the copies a wheel carries (opd_cache/demo_data/)
 DEMO_CONFIG = "examples/arithmetic_cpu/config.yaml"
 # What the demo reads, relative to the root that holds it (the models' README.md comes along with them).
 DEMO_FILES = (DEMO_CONFIG, "data/arithmetic/train.parquet", "data/arithmetic/test.parquet", "data/models")

@@ -1,4 +1,4 @@
-"""The quantizers of the `packed` codec (opd_cache/codec.py): top-k log-probs, the top-k mass, the sampled token.
+"""The quantizers of the `packed` codec (opd_cache/storage/codec.py): top-k log-probs, the top-k mass, the sampled token.
 
 Top-k log-probs are coded by their gap below the row's maximum, g_j = max - lp_j >= 0,
 on a log scale so that the entries that carry the mass (small gaps) get the

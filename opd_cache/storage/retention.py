@@ -29,10 +29,11 @@ import re
 import socket
 import time
 
-from opd_cache.integrity import MANIFEST
-from opd_cache.layout import HOLDERS, POLICY
-from opd_cache.layout import TRAIN_STATE as STATE_ROOT
-from opd_cache.store import COMPLETE_MARKER, PARTITION_RE, Store
+from opd_cache.storage import layout
+from opd_cache.storage.integrity import MANIFEST
+from opd_cache.storage.layout import HOLDERS, POLICY
+from opd_cache.storage.layout import TRAIN_STATE as STATE_ROOT
+from opd_cache.storage.store import COMPLETE_MARKER, PARTITION_RE, Store
 
 
 def holder_rel(name: str) -> str:
@@ -139,7 +140,7 @@ def prune_policy_versions(store: Store, keep: int) -> list[int]:
     for version in candidates:
         if is_pinned(version, holds):
             continue
-        delete_folder(store, store.policy_dir(version))
+        delete_folder(store, layout.policy_dir(version))
         deleted.append(version)
     return deleted
 

@@ -36,10 +36,10 @@ from rich.live import Live
 from rich.table import Table
 
 from opd_cache.config import STAGES_WITH_STALENESS, Config
-from opd_cache.demand import announce_demand
-from opd_cache.metrics import read_metrics
-from opd_cache.progress import Every, duration
-from opd_cache.store import ShardTally, Store
+from opd_cache.flow.demand import announce_demand
+from opd_cache.observe.metrics import read_metrics
+from opd_cache.observe.progress import Every, duration
+from opd_cache.storage.store import ShardTally, Store
 
 
 @dataclass
@@ -145,7 +145,7 @@ def read_run_state(
     `tally` (kept across calls by `RunDisplay`) counts shards and parts with a window poll instead of two
     full listings, so the dashboard's cost does not grow with the run's history.
     """
-    shards, parts = tally.poll() if tally is not None else (store.list_rollout_shards(), store.list_annotated_parts())
+    shards, parts = tally.poll() if tally is not None else (store.shards.rollouts(), store.shards.annotated_parts())
     progress = store.read_progress()
     metrics = read_metrics(store)
     train = metrics.get("train-0", [])

@@ -30,7 +30,8 @@ import re
 import time
 from collections.abc import Callable
 
-from opd_cache.store import Store, validate_name
+from opd_cache.storage import layout
+from opd_cache.storage.store import Store, validate_name
 
 SEGMENT_BYTES = 32 * 1024  # object stores: start a new segment once the current one holds this much
 MERGE = 8  # object stores: this many consecutive objects of one level are merged into one of the next
@@ -75,27 +76,27 @@ def _read_log(store: Store, stem: str, has_file: bool, segments: list[str]) -> l
     lines = []
     if has_file and full < 0:
         try:
-            lines += _complete_lines(store.read_bytes(store.metrics_path(stem)))
+            lines += _complete_lines(store.read_bytes(layout.metrics_path(stem)))
         except FileNotFoundError:  # a rewrite deleted it after our listing
             pass
     for _, name in parts:
         try:
-            lines += _complete_lines(store.read_bytes(store.metrics_path(stem, name)))
+            lines += _complete_lines(store.read_bytes(layout.metrics_path(stem, name)))
         except FileNotFoundError:  # replaced by a rewrite between our LIST and GET: read the log again
             return _read_log(store, stem, *_list_log(store, stem))
     return lines
 
 
 def _list_log(store: Store, stem: str) -> tuple[bool, list[str]]:
-    has_file = store.exists(store.metrics_path(stem))
-    return has_file, [info.base_name for info in store.list_files(store.metrics_dir(stem))]
+    has_file = store.exists(layout.metrics_path(stem))
+    return has_file, [info.base_name for info in store.list_files(layout.metrics_dir(stem))]
 
 
 class MetricsLog:
     def __init__(self, store: Store, stage: str, worker: str = "0", flush_seconds: float = 5.0):
         self.store = store
         self.stem = f"{validate_name('stage', stage)}-{validate_name('worker', worker)}"
-        self.rel = store.metrics_path(self.stem)
+        self.rel = layout.metrics_path(self.stem)
         self.flush_seconds = flush_seconds
         has_file, segments = _list_log(store, self.stem)
         # local stores append; a local copy of an object store's log keeps its segments
@@ -144,11 +145,11 @@ class MetricsLog:
             # `<seq>.full` replaces every part numbered up to seq (and the single file): readers skip
             # them from the moment it exists, so deleting them afterwards is only tidying up
             full_seq = self._seq
-            self.store.write_bytes(self.store.metrics_path(self.stem, f"{full_seq:08d}.full.jsonl"), data)
-            names = [info.base_name for info in self.store.list_files(self.store.metrics_dir(self.stem))]
+            self.store.write_bytes(layout.metrics_path(self.stem, f"{full_seq:08d}.full.jsonl"), data)
+            names = [info.base_name for info in self.store.list_files(layout.metrics_dir(self.stem))]
             for _first, last, _, name in _parse_segments(names):
                 if last < full_seq:
-                    self.store.delete(self.store.metrics_path(self.stem, name))
+                    self.store.delete(layout.metrics_path(self.stem, name))
             self.store.delete(self.rel)
             self._seq, self._segment, self._segment_bytes = full_seq + 1, [], 0
             self._full_seq = full_seq
@@ -209,7 +210,7 @@ class MetricsLog:
             first = sealed + 1 - size
             if first <= self._full_seq:
                 return  # the run straddles a rewrite: what lies below it is gone
-            folder = self.store.metrics_dir(self.stem)
+            folder = layout.metrics_dir(self.stem)
             names = [info.base_name for info in self.store.list_files(folder)]
             parts = [(f, name) for f, name in _segment_parts(names)[1] if first <= f <= sealed]
             data = b"".join(self.store.read_bytes(f"{folder}/{name}") for _, name in parts)
@@ -220,14 +221,14 @@ class MetricsLog:
 
     def _put_segment(self) -> None:
         data = "".join(line + "\n" for line in self._segment).encode()
-        self.store.write_bytes(self.store.metrics_path(self.stem, f"{self._seq:08d}.jsonl"), data)
+        self.store.write_bytes(layout.metrics_path(self.stem, f"{self._seq:08d}.jsonl"), data)
 
 
 def read_metrics(store: Store, stage: str | None = None) -> dict[str, list[dict]]:
     """All metrics logs (optionally of one stage), keyed by `<stage>-<worker>`; one LIST of `metrics/`."""
     files, segments = set(), {}
-    for info in store.list_files(store.metrics_dir(), recursive=True):
-        rel = info.path[len(store.path(store.metrics_dir())) + 1 :]
+    for info in store.list_files(layout.metrics_dir(), recursive=True):
+        rel = info.path[len(store.path(layout.metrics_dir())) + 1 :]
         parts = rel.split("/")
         if len(parts) == 1 and rel.endswith(".jsonl"):
             files.add(rel.removesuffix(".jsonl"))

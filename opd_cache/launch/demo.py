@@ -12,7 +12,7 @@ Steps: (0) every import the demo needs, and an --out that holds no other run
 without them: train them once and cache them), (2) the teacher's own accuracy, (3) `opd run` on
 `examples/arithmetic_cpu/config.yaml` with an evaluator scoring every few versions, (4) a before/after
 table, `summary.json` and the report's plots. The config, prompts and models come from the checkout or,
-installed, from the package's copies (`opd_cache/demo_assets.py`).
+installed, from the package's copies (`opd_cache/launch/demo_assets.py`).
 
 `engine="vllm"` (`opd demo --engine vllm`) samples and scores with vLLM instead: the same models with their
 attention heads zero-padded to a size vLLM's CPU attention accepts (the same function), built into --out.
@@ -30,8 +30,8 @@ from rich.console import Console
 from rich.table import Table
 
 from opd_cache.config import Config, load_config
-from opd_cache.demo_assets import DEMO_CONFIG, DEMO_MODELS, demo_root, is_checkout, vllm_demo_models
-from opd_cache.layout import RUN_JSON
+from opd_cache.launch.demo_assets import DEMO_CONFIG, DEMO_MODELS, demo_root, is_checkout, vllm_demo_models
+from opd_cache.storage.layout import RUN_JSON
 
 ENGINES = ("hf", "vllm")
 
@@ -106,7 +106,7 @@ DEMO_IMPORTS = {
     "opd_cache.annotate": None,
     "opd_cache.train.trainer": None,
     "opd_cache.evaluate": None,
-    "opd_cache.report": None,
+    "opd_cache.observe.report": None,
 }
 # What the demo writes into --out; --overwrite removes exactly these.
 DEMO_OUTPUTS = ("store", "logs", "plots", "summary.json", "vllm-models")
@@ -168,9 +168,9 @@ def run_demo(
     cfg = demo_config(out, seed, sets or [])
     clear_demo_outputs(out, overwrite)
     from opd_cache.evaluate import _subset, evaluate_model
-    from opd_cache.report import write_report
-    from opd_cache.run import supervise, write_resolved_config
-    from opd_cache.store import Store
+    from opd_cache.launch.run import supervise, write_resolved_config
+    from opd_cache.observe.report import write_report
+    from opd_cache.storage.store import Store
     from opd_cache.tasks.prompts import load_prompts
     from opd_cache.tokenizer import load_tokenizer
 

@@ -5,7 +5,7 @@ Shards are Arrow IPC *stream* files (uncompressed by default), so
 without this package, and local reads are zero-copy through a memory map.
 
 The columns themselves (their Arrow types, building and reading them as numpy) are in
-opd_cache/columns.py; this module re-exports the ones other modules import from here (`__all__`).
+opd_cache/storage/columns.py; this module re-exports the ones other modules import from here (`__all__`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from opd_cache import codec, integrity
-from opd_cache.columns import (
+from opd_cache.storage import codec, integrity
+from opd_cache.storage.columns import (
     ShardError,
     annotated_schema,
     flat_values,
@@ -27,11 +27,11 @@ from opd_cache.columns import (
     ragged_fixed,
     rollout_schema,
 )
-from opd_cache.layout import SCHEMA_VERSION
-from opd_cache.manifest import RunManifest, as_manifest
+from opd_cache.storage.layout import SCHEMA_VERSION
+from opd_cache.storage.manifest import RunManifest, as_manifest
 
 if TYPE_CHECKING:
-    from opd_cache.store import Store
+    from opd_cache.storage.store import Store
 
 __all__ = [  # the names other modules import from here that live in columns.py and layout.py
     "SCHEMA_VERSION",
@@ -91,7 +91,7 @@ class ShardMeta:
     engine_version: str | None = None  # transformers / vllm version
     model_dtype: str | None = None  # the dtype the model's weights ran in
     schema_version: int = SCHEMA_VERSION
-    codec: str = "none"  # annotated parts: "none" (plain columns) | "packed" (opd_cache/codec.py)
+    codec: str = "none"  # annotated parts: "none" (plain columns) | "packed" (opd_cache/storage/codec.py)
     codec_id_bits: int = 0  # packed: bits per top-k id
     codec_version: int = 0  # packed: the layout's version (0: this opd_cache's codec.CODEC_VERSION when written)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from opd_cache.metrics import read_metrics
-from opd_cache.store import Store
+from opd_cache.observe.metrics import read_metrics
+from opd_cache.storage.store import Store
 
 # The loss diagnostics plotted in mass_overlap.png, with the words of its legend. "Stored top-k" is the support S
 # of the loss: the teacher's top-k ids kept by `opd annotate` (plus the student's top-k with --support union).

@@ -4,7 +4,7 @@ Per-token columns are `list<…>` with one entry per response token; per-token
 top-k columns are `list<fixed_size_list<…, k>>`, so a whole column decodes to a
 dense `[total_tokens, k]` array without any per-row work.
 
-opd_cache/codec.py (the packed annotation columns) and opd_cache/schema.py (shard
+opd_cache/storage/codec.py (the packed annotation columns) and opd_cache/storage/schema.py (shard
 metadata, reading, writing, validation) both build on this module; it imports neither.
 """
 

@@ -32,7 +32,7 @@ from opd_cache.observe.tracking import eval_metrics
 from opd_cache.rollout.hf_generate import HFGenerator
 from opd_cache.storage import layout
 from opd_cache.storage.retention import VersionHold
-from opd_cache.storage.store import COMPLETE_MARKER, Store
+from opd_cache.storage.store import Store
 from opd_cache.tasks.prompts import PromptSet, load_prompts
 from opd_cache.tasks.rewards import compute_score
 from opd_cache.tokenizer import check_compatible, load_tokenizer
@@ -178,8 +178,9 @@ def resolve_model(model: str, s3_endpoint: str | None = None) -> tuple[str, int 
 
 def _policy_folder(store: Store, version: int) -> Path:
     rel = layout.policy_dir(version)
-    if store.is_local:
-        return store.local_path(rel)
+    in_store = store.local_dir(rel)  # a local store: loaded in place
+    if in_store is not None:
+        return in_store
     return store.download_dir(rel, Path(tempfile.mkdtemp(prefix="opd-eval-")) / rel)
 
 
@@ -221,7 +222,7 @@ def evaluate_store(
         todo = [v for v in versions if v not in done_versions and (v % every == 0 or (finished and v == versions[-1]))]
         hold.hold(*(todo or [versions[-1] + 1]), every=every)
         for version in todo:
-            if version and not store.exists(f"{layout.policy_dir(version)}/{COMPLETE_MARKER}"):
+            if version and not store.is_published(version):
                 continue  # deleted by retention while its hold had expired (an evaluator stopped for long)
             path = run.student if version == 0 else _policy_folder(store, version)
             if engine is None:

@@ -17,7 +17,6 @@ understands; the shard's top-k log-prob dtype is kept in export.json (`topk_logp
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,8 +29,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from opd_cache.storage import layout
+from opd_cache.storage.filestore import AtomicOutput
 from opd_cache.storage.schema import read_shard
-from opd_cache.storage.store import RUN_JSON, TMP_MARKER, RunManifest, Store
+from opd_cache.storage.store import RUN_JSON, RunManifest, Store
 from opd_cache.train.shard_data import load_shard, ragged_index
 
 FORMATS = ("parquet", "arrow")
@@ -161,19 +161,15 @@ def resolve_tokenizer(run: RunManifest, tokenizer_path: str | None, store: Store
 
 
 class _Writer:
-    """One teacher's output table, written to a temporary name and moved into place when complete."""
+    """One teacher's output table, streamed to an `AtomicOutput`: a reader never sees half a file."""
 
-    def __init__(self, fs: pafs.FileSystem, final: str, fmt: str, local: bool):
-        self.fs, self.final, self.fmt, self.local = fs, final, fmt, local
-        # local: write aside then rename (a reader never sees half a file); object stores: an upload is
-        # invisible until complete, so the final key is written directly
-        self.path = f"{final}{TMP_MARKER}{secrets.token_hex(6)}" if local else final
-        self.stream = fs.open_output_stream(self.path)
+    def __init__(self, output: AtomicOutput, fmt: str):
+        self.output, self.fmt = output, fmt
         schema = export_schema()
         self.writer = (
-            pq.ParquetWriter(self.stream, schema, compression="zstd")
+            pq.ParquetWriter(output.stream, schema, compression="zstd")
             if fmt == "parquet"
-            else pa.ipc.new_stream(self.stream, schema)
+            else pa.ipc.new_stream(output.stream, schema)
         )
 
     def write(self, batch: pa.RecordBatch) -> None:
@@ -184,20 +180,13 @@ class _Writer:
 
     def close(self) -> None:
         self.writer.close()
-        self.stream.close()
-        if self.local:
-            self.fs.move(self.path, self.final)
+        self.output.commit()
 
     def abort(self) -> None:
         try:
             self.writer.close()
-            self.stream.close()
         finally:
-            if self.local:
-                try:
-                    self.fs.delete_file(self.path)
-                except FileNotFoundError:
-                    pass
+            self.output.abort()
 
 
 def prepare_destination(to: str, overwrite: bool) -> Store:
@@ -217,8 +206,8 @@ def prepare_destination(to: str, overwrite: bool) -> Store:
                 f"`opd export`; choose a new folder"
             )
         out.fs.delete_dir_contents(out.root)
-    elif out.is_local:
-        Path(out.root).mkdir(parents=True, exist_ok=True)
+    else:
+        out.make_dir("")
     return out
 
 
@@ -262,7 +251,7 @@ def export_store(
     writers: dict[str, _Writer] = {}
     try:
         for t in found:
-            writers[t] = _Writer(out.fs, out.path(f"{t}.{fmt}"), fmt, out.is_local)
+            writers[t] = _Writer(out.open_atomic_output(f"{t}.{fmt}"), fmt)
         for done, shard in enumerate(shards):
             for t in found:
                 if t not in parts.get(shard.shard_id, ()):

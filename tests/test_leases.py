@@ -17,7 +17,7 @@ import time
 import pytest
 
 from opd_cache.annotate import Annotator
-from opd_cache.annotate.leases import LEASES_DIR, LeaseBook
+from opd_cache.annotate.leases import LeaseBook
 from opd_cache.launch.ray_actor import prepare_stage_process
 from opd_cache.observe.metrics import read_metrics
 from opd_cache.storage import layout
@@ -44,7 +44,7 @@ def teacher_path(tiny_model_factory):
 
 
 def lease_files(store, teacher="teacher"):
-    return sorted(info.base_name for info in store.list_files(f"{LEASES_DIR}/{teacher}"))
+    return sorted(info.base_name for info in store.list_files(layout.leases_dir(teacher)))
 
 
 # ---------------------------------------------------------------- the lease rules
@@ -134,7 +134,7 @@ def test_static_split_still_takes_no_leases(store, teacher_path):
         for i in (0, 1)
     ]
     assert len(stats[0].annotated) + len(stats[1].annotated) == 4
-    assert not store.exists(LEASES_DIR)
+    assert not store.exists(layout.LEASES)
 
 
 FROZEN_WORKER = """

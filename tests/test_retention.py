@@ -8,10 +8,10 @@ import time
 import pytest
 
 from opd_cache.rollout.policy import PolicyFiles
+from opd_cache.storage import layout
 from opd_cache.storage.integrity import MANIFEST
 from opd_cache.storage.retention import (
     VersionHold,
-    holder_rel,
     live_holds,
     prune_policy_versions,
     prune_states,
@@ -71,16 +71,18 @@ def test_live_holds_pin_versions_and_expired_ones_do_not(local_store, tmp_path):
     evaluator = VersionHold(local_store, "eval-0", ttl_s=60)
     evaluator.hold(3, every=2)  # version 3 and every even version from 3 on
     # a worker that died long ago: its hold expired
-    local_store.write_json(holder_rel("rollout-dead"), {"versions": [1], "every": None, "expires": time.time() - 1})
+    local_store.write_json(
+        layout.holder_path("rollout-dead"), {"versions": [1], "every": None, "expires": time.time() - 1}
+    )
     assert sorted(h["versions"] for h in live_holds(local_store)) == [[2], [3]]  # rollout-w01, eval-0
     assert prune_policy_versions(local_store, keep=2) == [1, 5]
     assert local_store.policy_versions() == [2, 3, 4, 6, 7, 8]
 
     rollout.hold(8)  # the worker reloaded: version 2 is free
-    rollout_record = local_store.read_json(holder_rel("rollout-w01"))
+    rollout_record = local_store.read_json(layout.holder_path("rollout-w01"))
     assert rollout_record["versions"] == [8] and rollout_record["expires"] > time.time() + 50
     evaluator.release()  # the evaluator finished
-    assert not local_store.exists(holder_rel("eval-0"))
+    assert not local_store.exists(layout.holder_path("eval-0"))
     assert prune_policy_versions(local_store, keep=2) == [2, 3, 4, 6]
     assert local_store.policy_versions() == [7, 8]
 
@@ -88,14 +90,14 @@ def test_live_holds_pin_versions_and_expired_ones_do_not(local_store, tmp_path):
 def test_hold_is_rewritten_only_when_it_changes_or_its_renewal_is_due(local_store, monkeypatch):
     hold = VersionHold(local_store, "rollout-w01", ttl_s=30)
     hold.hold(4)
-    first = local_store.read_json(holder_rel("rollout-w01"))["time"]
+    first = local_store.read_json(layout.holder_path("rollout-w01"))["time"]
     time.sleep(0.01)
     hold.hold(4)
     hold.renew()
-    assert local_store.read_json(holder_rel("rollout-w01"))["time"] == first  # not due: no write
+    assert local_store.read_json(layout.holder_path("rollout-w01"))["time"] == first  # not due: no write
     hold.written -= 11  # a third of the 30 s lifetime has passed
     hold.renew()
-    assert local_store.read_json(holder_rel("rollout-w01"))["time"] > first
+    assert local_store.read_json(layout.holder_path("rollout-w01"))["time"] > first
 
 
 def test_a_deletion_cut_short_leaves_a_consistent_store_and_the_next_pass_finishes_it(

@@ -37,17 +37,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
-from opd_cache.storage.layout import LEASES as LEASES_DIR
+from opd_cache.storage import layout
 from opd_cache.storage.store import Store, StoreError
-
-LEASE_RE = re.compile(r"^(?P<shard>.+)\.(?P<gen>\d{6})\.json$")
 
 
 @dataclass
@@ -130,7 +127,7 @@ class LeaseBook:
         self.requests = {"list": 0, "create": 0, "read": 0, "renew": 0, "check": 0, "delete": 0}
 
     def lease_path(self, shard_id: str, generation: int) -> str:
-        return f"{LEASES_DIR}/{self.teacher}/{shard_id}.{generation:06d}.json"
+        return layout.lease_path(self.teacher, shard_id, generation)
 
     def body(self, token: str, expires_at: float, renewals: int = 0) -> bytes:
         return json.dumps(
@@ -146,10 +143,10 @@ class LeaseBook:
     def poll(self) -> None:
         """One LIST of the lease folder: which shards have a lease, at which generation."""
         newest: dict[str, int] = {}
-        for info in self.store.list_files(f"{LEASES_DIR}/{self.teacher}"):
-            match = LEASE_RE.match(info.base_name)
-            if match:
-                shard, gen = match["shard"], int(match["gen"])
+        for info in self.store.list_files(layout.leases_dir(self.teacher)):
+            lease = layout.parse_lease_name(info.base_name)
+            if lease is not None:
+                shard, gen = lease
                 newest[shard] = max(gen, newest.get(shard, -1))
         self.requests["list"] += 1
         # keep the expiry we read for a generation that has not changed: no GET per poll for a held shard
@@ -182,7 +179,7 @@ class LeaseBook:
         if not self.store.create_if_absent(path, self.body(token, expires_at)):
             self.known[shard_id] = (generation + 1, None, None)
             return None  # another worker claimed it first
-        if not self.store.is_local:  # create_if_absent is HEAD + PUT there: did our PUT win?
+        if not self.store.atomic_create:  # HEAD + PUT (an object store): did our PUT win?
             self.requests["read"] += 1
             data = self.store.read_json(path)
             if not isinstance(data, dict) or data.get("token") != token:

@@ -93,8 +93,8 @@ def _student_tokenizer(store: Store, run: RunManifest):
     candidates = []
     if run.student and os.path.isdir(run.student):
         candidates.append(run.student)
-    if store.is_local:
-        candidates += [str(store.local_path(layout.policy_dir(v))) for v in reversed(store.policy_versions())]
+    if store.local_dir(layout.POLICY) is not None:  # a local store: published policies, read in place
+        candidates += [str(store.local_dir(layout.policy_dir(v))) for v in reversed(store.policy_versions())]
     for path in candidates:
         try:
             return load_tokenizer(path)

@@ -9,8 +9,6 @@ not copied twice, and the rollout shards move last, so the stages refuse the sto
 
 from __future__ import annotations
 
-import os
-
 import typer
 
 from opd_cache.cli.common import app, console, user_errors
@@ -38,17 +36,6 @@ def flat_layout_moves(store) -> list[tuple[str, str]]:
     return moves
 
 
-def move_file(store, old: str, new: str) -> None:
-    """Local: one rename. Object stores: copy, then delete (a run cut short in between is finished by the next)."""
-    if store.is_local:
-        os.makedirs(os.path.dirname(store.path(new)), exist_ok=True)
-        os.replace(store.path(old), store.path(new))
-        return
-    if not store.exists(new):
-        store.fs.copy_file(store.path(old), store.path(new))
-    store.delete(old)
-
-
 @app.command("migrate")
 @user_errors
 def migrate_command(
@@ -70,10 +57,11 @@ def migrate_command(
         )
         return
     for i, (old, new) in enumerate(moves, 1):
-        move_file(s, old, new)
+        s.move_file(old, new)  # object stores: copy, then delete (a run cut short is finished by the next)
         if i % 1000 == 0 or i == len(moves):
             console.print(f"moved {i}/{len(moves)} files", highlight=False, soft_wrap=True)
     for leftover in s.list_dirs(ANNOTATED):  # the emptied flat part folders (local stores; S3 has none)
-        if not s.list_files(f"{ANNOTATED}/{leftover}", recursive=True) and "-" in leftover:
-            s.delete_dir(f"{ANNOTATED}/{leftover}")
+        folder = layout.annotated_folder(leftover)
+        if not s.list_files(folder, recursive=True) and "-" in leftover:
+            s.delete_dir(folder)
     console.print(f"{s.uri}: moved {len(moves)} files into version partitions", highlight=False, soft_wrap=True)

@@ -61,7 +61,7 @@ def bind_ray_to_loopback() -> None:
 
 def check_store_reachable(store: Store, nodes: int, shared_filesystem: bool) -> None:
     """A local-directory store on a cluster of several nodes: the other nodes cannot see it."""
-    if nodes > 1 and store.is_local and not shared_filesystem:
+    if nodes > 1 and store.on_this_machine and not shared_filesystem:
         raise StoreError(
             f"--launcher ray: the cluster has {nodes} nodes but the store {store.uri} is a local "
             f"directory that the other nodes cannot see; use s3://… (or gs://…), or set "

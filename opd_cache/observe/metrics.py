@@ -100,7 +100,7 @@ class MetricsLog:
         self.flush_seconds = flush_seconds
         has_file, segments = _list_log(store, self.stem)
         # local stores append; a local copy of an object store's log keeps its segments
-        self.appends = store.is_local and not segments
+        self.appends = store.appends_in_place and not segments
         if self.appends:
             self._cut_partial_line()
         self.lines = _read_log(store, self.stem, has_file, segments)
@@ -158,23 +158,12 @@ class MetricsLog:
 
     # ------------------------------------------------------------------ writing
     def _append(self, new: list[str]) -> None:
-        path = self.store.path(self.rel)
-        data = "".join(line + "\n" for line in new).encode()
-        with self.store.writing("append to", path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                written = os.write(fd, data)  # one write: readers see all of these lines or none
-                if written != len(data):  # a short write (disk full): finish it, readers skip the cut line
-                    view = memoryview(data)[written:]
-                    while view:
-                        view = view[os.write(fd, view) :]
-            finally:
-                os.close(fd)
+        # one write: readers see all of these lines or none (a short write, disk full: they skip the cut line)
+        self.store.append_bytes(self.rel, "".join(line + "\n" for line in new).encode())
 
     def _cut_partial_line(self) -> None:
         """Drop the half line a killed writer left at the end, so our first append starts a line of its own."""
-        path = self.store.path(self.rel)
+        path = self.store.local_path(self.rel)  # a log that `appends` is a file of this machine
         try:
             with open(path, "rb") as f:  # read-only: a store that is fine is not written to here
                 size = f.seek(0, os.SEEK_END)
@@ -213,10 +202,10 @@ class MetricsLog:
             folder = layout.metrics_dir(self.stem)
             names = [info.base_name for info in self.store.list_files(folder)]
             parts = [(f, name) for f, name in _segment_parts(names)[1] if first <= f <= sealed]
-            data = b"".join(self.store.read_bytes(f"{folder}/{name}") for _, name in parts)
-            self.store.write_bytes(f"{folder}/{first:08d}-{sealed:08d}.jsonl", data)
+            data = b"".join(self.store.read_bytes(layout.metrics_path(self.stem, name)) for _, name in parts)
+            self.store.write_bytes(layout.metrics_path(self.stem, f"{first:08d}-{sealed:08d}.jsonl"), data)
             for _, name in parts:  # a reader skips them from the moment the merged object exists
-                self.store.delete(f"{folder}/{name}")
+                self.store.delete(layout.metrics_path(self.stem, name))
             size *= MERGE
 
     def _put_segment(self) -> None:

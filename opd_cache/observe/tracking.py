@@ -68,10 +68,8 @@ class Tracker:
         if "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
 
-            if store.is_local:
-                log_dir = store.local_path(layout.metrics_dir("tensorboard"))
-            else:
-                log_dir = os.path.join("tensorboard", run_id)
+            # in the store when it is a local directory; an object store's events go to a local folder
+            log_dir = store.local_dir(layout.metrics_dir("tensorboard")) or os.path.join("tensorboard", run_id)
             # one folder per job: TensorBoard shows the trainer and the evaluator as two runs of one experiment
             self.tensorboard = SummaryWriter(
                 log_dir=str(log_dir if job == "train" else os.path.join(log_dir, job)), flush_secs=10
@@ -79,7 +77,8 @@ class Tracker:
         if "wandb" in report_to:
             import wandb
 
-            wandb_dir = os.environ.get("WANDB_DIR") or (str(store.local_path("metrics")) if store.is_local else None)
+            in_store = store.local_dir(layout.metrics_dir())
+            wandb_dir = os.environ.get("WANDB_DIR") or (str(in_store) if in_store is not None else None)
             if wandb_dir:
                 os.makedirs(wandb_dir, exist_ok=True)
             self.wandb = wandb.init(

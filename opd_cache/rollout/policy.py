@@ -11,7 +11,7 @@ from pathlib import Path
 
 from opd_cache.storage import layout
 from opd_cache.storage.integrity import legacy_warning, verify_local_folder
-from opd_cache.storage.store import COMPLETE_MARKER, Store
+from opd_cache.storage.store import Store
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 
@@ -37,8 +37,9 @@ class PolicyFiles:
         if version == 0:
             return self.student
         rel = layout.policy_dir(version)
-        if self.store.is_local:
-            path = str(self.store.local_path(rel))
+        in_store = self.store.local_dir(rel)  # a local store: loaded in place
+        if in_store is not None:
+            path = str(in_store)
         else:
             if self.cache_dir is None:
                 self.cache_dir = tempfile.mkdtemp(prefix="opd-rollout-policy-")
@@ -67,7 +68,7 @@ class PolicyFiles:
     def newest_intact(self, latest: int) -> tuple[int, str]:
         """(version, path) of the newest published version <= `latest` that passes its checksums (0: the student)."""
         for version in range(latest, 0, -1):
-            if not self.store.exists(f"{layout.policy_dir(version)}/{COMPLETE_MARKER}"):
+            if not self.store.is_published(version):
                 continue
             try:
                 return version, self.path(version)

@@ -53,7 +53,7 @@ from opd_cache.rollout.resume import RolloutShardMeta, resume_point
 from opd_cache.storage import layout
 from opd_cache.storage.retention import VersionHold
 from opd_cache.storage.schema import ROLLOUT, rollout_table, write_shard
-from opd_cache.storage.store import COMPLETE_MARKER, RunManifest, Store, make_shard_id, validate_worker_id
+from opd_cache.storage.store import RunManifest, Store, make_shard_id, validate_worker_id
 from opd_cache.tasks.prompts import PromptSet, load_prompts
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -238,7 +238,7 @@ class RolloutWorker:
                 self.engine = make_engine(cfg, path, self.tokenizer)
                 break
             except OSError:
-                if self.version == 0 or store.exists(f"{layout.policy_dir(self.version)}/{COMPLETE_MARKER}"):
+                if self.version == 0 or store.is_published(self.version):
                     raise
                 # retention deleted it between LATEST and the hold (a newer version is out): load that one
         self.policies.release(self.version)
@@ -345,7 +345,7 @@ class RolloutWorker:
         if latest <= self.version or not self.policies.worth_trying(latest):
             return False
         self.hold.hold(self.version, latest)  # held before loading, so retention cannot delete it meanwhile
-        if not self.store.exists(f"{layout.policy_dir(latest)}/{COMPLETE_MARKER}"):
+        if not self.store.is_published(latest):
             return True  # deleted by retention since LATEST was read, before the hold: a newer one is out
         try:
             path = self.policies.path(latest)
@@ -358,7 +358,7 @@ class RolloutWorker:
             check_policy_tokenizer(path, self.fingerprint, latest)
             self.engine.load_policy(path)
         except OSError:
-            if self.store.exists(f"{layout.policy_dir(latest)}/{COMPLETE_MARKER}"):
+            if self.store.is_published(latest):
                 raise
             return True  # deleted by retention after the check above (its hold came too late): load a newer one
         self.policies.release(latest)

@@ -11,6 +11,11 @@ is never visible, so we write the final key directly. Every listing ignores
 stores, so a version counts as published only once its `_COMPLETE` marker
 exists (written last), and LATEST is replaced only after that.
 
+Local directory or object store: only this package asks (`is_local`). The rest of the project asks what it
+needs: `appends_in_place` (the metrics log), `atomic_create` (the annotate leases), `on_this_machine` (can
+other machines see it), `local_dir(rel)` (a folder to read in place, e.g. a checkpoint; `replace_dir` moves a
+folder staged there into place), and uses methods that work on both: `move_file`, `open_atomic_output`.
+
 Integrity (opd_cache/storage/integrity.py): shards end with an xxh3-64 trailer, checkpoint folders hold
 `_CHECKSUMS.json` (written before `_COMPLETE`); `read_buffer` hands readers a whole file in one read so
 they can verify it before use, and `verify_folder` checks a folder against its manifest.
@@ -21,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import shutil
 import time
 from pathlib import Path
@@ -38,7 +42,7 @@ from opd_cache.storage.integrity import (
     parse_manifest,
     verify_local_folder,
 )
-from opd_cache.storage.layout import TMP_MARKER, StoreError, is_tmp
+from opd_cache.storage.layout import StoreError, is_tmp, tmp_name
 
 
 def _os_reason(e: OSError) -> str:
@@ -64,11 +68,47 @@ class FileStore:
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *[p.strip("/") for p in parts if p]])
 
+    def relative_path(self, full: str) -> str:
+        """The store-relative path of a full path from a listing (`info.path` of `list_files`)."""
+        return full[len(self.root) + 1 :]
+
     def local_path(self, rel: str) -> Path:
         """The OS path of a store file; only for local stores (e.g. to hand a checkpoint to from_pretrained)."""
         if not self.is_local:
             raise StoreError(f"{self.uri} is not a local store; download {rel} first")
         return Path(self.path(rel))
+
+    def local_dir(self, rel: str) -> Path | None:
+        """The OS path of `rel` when the store is a local directory, None on an object store.
+
+        What a caller uses to read a folder in place (a checkpoint for `from_pretrained`, without a download)
+        or to have a library write into the store (TensorBoard); on an object store it downloads, or writes
+        elsewhere.
+        """
+        return Path(self.path(rel)) if self.is_local else None
+
+    # ---------------------------------------------------- what the backend can do
+    @property
+    def appends_in_place(self) -> bool:
+        """Whether a file can grow by `append_bytes` (a local directory); an object store replaces whole objects."""
+        return self.is_local
+
+    @property
+    def atomic_create(self) -> bool:
+        """Whether `create_if_absent` is atomic (local: `os.link`).
+
+        On an object store it is HEAD, then PUT: two writers racing inside that window both get True, and a
+        writer that must know whether its file is the one that stayed reads it back.
+        """
+        return self.is_local
+
+    @property
+    def on_this_machine(self) -> bool:
+        """Whether the store is a directory of this machine: other machines see it only through a shared mount.
+
+        An object store is reachable from every machine that has its address and credentials.
+        """
+        return self.is_local
 
     # ------------------------------------------------------------ basic I/O
     def exists(self, rel: str) -> bool:
@@ -136,7 +176,7 @@ class FileStore:
                 with self.fs.open_output_stream(final) as out:
                     out.write(data)
                 return
-            tmp = f"{final}{TMP_MARKER}{secrets.token_hex(6)}"
+            tmp = tmp_name(final)
             try:
                 with self.fs.open_output_stream(tmp) as out:
                     write_fn(out)
@@ -188,7 +228,7 @@ class FileStore:
                 return False
             self.write_bytes(rel, data)
             return True
-        tmp = f"{final}{TMP_MARKER}{secrets.token_hex(6)}"
+        tmp = tmp_name(final)
         with self.writing("write", final):
             try:
                 with open(tmp, "wb") as f:
@@ -202,6 +242,62 @@ class FileStore:
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
+
+    def append_bytes(self, rel: str, data: bytes) -> None:
+        """Append `data` to `rel` (created if absent) in one write; only where `appends_in_place`.
+
+        One `write` call with O_APPEND: a concurrent reader sees all of `data` or none of it. A short write
+        (disk full) is finished by further writes, so a reader may then see a cut line at the end.
+        """
+        if not self.appends_in_place:
+            raise StoreError(f"{self.uri} is an object store: {rel} cannot be appended to, write a new object")
+        path = self.path(rel)
+        with self.writing("append to", path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                written = os.write(fd, data)
+                if written != len(data):
+                    view = memoryview(data)[written:]
+                    while view:
+                        view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+
+    def open_atomic_output(self, rel: str) -> AtomicOutput:
+        """A stream for a file too large to build in memory, published whole by `commit()` (see AtomicOutput).
+
+        The folder must exist (`make_dir`).
+        """
+        return AtomicOutput(self.fs, self.path(rel), aside=self.is_local)
+
+    def move_file(self, old: str, new: str) -> None:
+        """Move a file to `new` (replacing a file there).
+
+        Local stores: one atomic rename. Object stores: copy, then delete; a move cut short in between leaves
+        both files, and moving again finishes it. FileNotFoundError when `old` is gone (moved by another process).
+        """
+        self._makedirs(self.path(new).rsplit("/", 1)[0])
+        if self.is_local:
+            os.replace(self.path(old), self.path(new))
+        else:
+            self.fs.copy_file(self.path(old), self.path(new))
+            self.fs.delete_file(self.path(old))
+
+    def replace_dir(self, staged: str | os.PathLike, rel: str) -> None:
+        """Move a finished folder built at `staged` into place as `rel`; only for a local store.
+
+        `staged` lies on the store's filesystem (beside `rel`: `local_dir(tmp_name(rel))`), so the move is one
+        rename; a folder left at `rel` by a killed writer (no `_COMPLETE` marker) is removed first.
+        """
+        final = self.local_path(rel)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staged, final)
+
+    def make_dir(self, rel: str) -> None:
+        """Create the folder `rel` and its parents; nothing to do on an object store, which has no folders."""
+        self._makedirs(self.path(rel))
 
     def delete(self, rel: str) -> None:
         with self.writing("delete", self.path(rel)), contextlib.suppress(FileNotFoundError):
@@ -274,7 +370,7 @@ class FileStore:
                 raise StoreError(f"{info.path}: refusing to download a file whose name leaves {self.path(rel)}")
             target = local_dir / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(self.read_bytes(info.path[len(self.root) + 1 :]))
+            target.write_bytes(self.read_bytes(self.relative_path(info.path)))
         return local_dir
 
     def _makedirs(self, full_dir: str) -> None:
@@ -311,6 +407,34 @@ class FileStore:
             if problem:
                 problems.append(problem)
         return problems
+
+
+class AtomicOutput:
+    """A file written as a stream and published whole: readers never see it until `commit()`.
+
+    Local stores: the stream writes a temporary name beside the file (every listing skips it), `commit`
+    renames it into place and `abort` removes it. Object stores: the stream is the upload of the final key,
+    invisible until it completes; `commit` and `abort` both close the stream (pyarrow offers no way to
+    cancel an upload).
+    """
+
+    def __init__(self, fs: pafs.FileSystem, final: str, *, aside: bool):
+        self.fs, self.final, self.aside = fs, final, aside
+        self.path = tmp_name(final) if aside else final
+        self.stream = fs.open_output_stream(self.path)
+
+    def commit(self) -> None:
+        self.stream.close()
+        if self.aside:
+            self.fs.move(self.path, self.final)
+
+    def abort(self) -> None:
+        try:
+            self.stream.close()
+        finally:
+            if self.aside:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.delete_file(self.path)
 
 
 def _filesystem_for(uri: str, s3_endpoint: str | None) -> tuple[pafs.FileSystem, str]:

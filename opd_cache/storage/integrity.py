@@ -259,8 +259,7 @@ def verify_store(store, on_file=None) -> VerifyReport:
     import pyarrow as pa
 
     report = VerifyReport()
-    root = store.path("") + "/"
-    files = sorted(info.path[len(root) :] for info in store.list_files("", recursive=True))
+    files = sorted(store.relative_path(info.path) for info in store.list_files("", recursive=True))
     folders = sorted(
         {
             rel.rsplit("/", 1)[0]

@@ -7,14 +7,23 @@
 (v000003: the shard's policy version, so a poll lists only the versions it can use; see ShardWatch)
 <root>/policy/v000003/                                HF checkpoint published by `opd train`
 <root>/policy/LATEST                                  newest complete version number
-<root>/train/progress.json, train/DONE, train/state/, train/consumed/, train/skipped/<shard_id>.jsonl
+<root>/train/progress.json, train/DONE                the trainer's status (Store.read_progress, Store.is_done)
+<root>/train/state/step-000042/                       a resume state (opd_cache/train/checkpoint.py)
+<root>/train/consumed/step-000042.jsonl               the rows trained at step 42 (the ledger)
+<root>/train/skipped/<shard_id>.jsonl                 the rows of a shard never trained, and why
+<root>/leases/<teacher>/<shard_id>.000001.json        an annotate worker's lease (opd_cache/annotate/leases.py)
+<root>/holders/<name>.json                            a reader's hold on policy versions (storage/retention.py)
 <root>/metrics/<stage>-<worker>.jsonl (or metrics/<stage>-<worker>/<segment>.jsonl on object stores)
 <root>/quarantine/<name> + <name>.reason.txt          <name>: the moved file's path with '/' as '__'
+
+Every path above is a function below (`rollout_path(shard_id)`, `state_dir(step)`, ...): callers never join
+these names themselves, so the layout can be read, and changed, here alone.
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 from dataclasses import dataclass
 
 SCHEMA_VERSION = 1  # the shard format: in every shard's metadata (checked on read) and in run.json
@@ -29,7 +38,7 @@ TRAIN_DONE = "train/DONE"
 TRAIN_STATE = "train/state"
 TRAIN_CONSUMED = "train/consumed"
 TRAIN_SKIPPED = "train/skipped"
-LEASES = "leases"  # annotate workers' shard leases, leases/<teacher>/<shard>.<generation>.json (annotate/leases.py)
+LEASES = "leases"  # annotate workers' shard leases (opd_cache/annotate/leases.py)
 HOLDERS = "holders"  # readers' holds on policy versions (opd_cache/storage/retention.py)
 METRICS = "metrics"
 QUARANTINE = "quarantine"
@@ -94,6 +103,9 @@ def parse_shard_id(shard_id: str) -> tuple[int, str, int]:
 
 
 PARTITION_RE = re.compile(r"v\d{6}")
+STATE_RE = re.compile(r"step-(\d{6,})")  # a folder of train/state/
+CONSUMED_RE = re.compile(r"step-(\d+)\.jsonl")  # a file of train/consumed/
+LEASE_RE = re.compile(r"^(?P<shard>.+)\.(?P<gen>\d{6})\.json$")  # a file of leases/<teacher>/
 
 
 def partition_name(version: int) -> str:
@@ -106,6 +118,11 @@ def is_tmp(name: str) -> bool:
     return TMP_MARKER in name
 
 
+def tmp_name(path: str, tag: str | None = None) -> str:
+    """A writer's temporary name beside `path` (`<path>.tmp-<tag>`, a random tag unless given): listings skip it."""
+    return f"{path}{TMP_MARKER}{tag or secrets.token_hex(6)}"
+
+
 def quarantine_name(rel: str) -> str:
     """The name of a moved file in quarantine/: its store path with '/' as '__' (unique, and says where it was)."""
     return rel.replace("/", "__")
@@ -114,13 +131,23 @@ def quarantine_name(rel: str) -> str:
 # ------------------------------------------------------------------ paths (store-relative)
 def rollout_path(shard_id: str) -> str:
     version, _, _ = parse_shard_id(shard_id)
-    return f"{ROLLOUTS}/{partition_name(version)}/{shard_id}.arrow"
+    return f"{rollout_partition(version)}/{shard_id}.arrow"
 
 
 def annotated_path(shard_id: str, teacher: str) -> str:
     version, _, _ = parse_shard_id(shard_id)
     validate_name("teacher name", teacher)
-    return f"{ANNOTATED}/{partition_name(version)}/{shard_id}/{teacher}.arrow"
+    return f"{annotated_partition(version)}/{shard_id}/{teacher}.arrow"
+
+
+def rollout_partition(version: int) -> str:
+    """`rollouts/v000003`: the rollout shards of one policy version (one LIST)."""
+    return f"{ROLLOUTS}/{partition_name(version)}"
+
+
+def annotated_partition(version: int) -> str:
+    """`annotated/v000003`: the annotated parts of the shards of one policy version (one recursive LIST)."""
+    return f"{ANNOTATED}/{partition_name(version)}"
 
 
 def flat_rollout_path(shard_id: str) -> str:
@@ -139,6 +166,38 @@ def policy_dir(version: int) -> str:
     return f"{POLICY}/{partition_name(version)}"
 
 
+def policy_version_of(name: str) -> int | None:
+    """The version of a folder name of `policy/` (`v000003` -> 3), None for any other name."""
+    return int(name[1:]) if PARTITION_RE.fullmatch(name) else None
+
+
+def complete_marker(folder: str) -> str:
+    """The `_COMPLETE` marker of a checkpoint folder (a policy version, a resume state): written last, read first."""
+    return f"{folder}/{COMPLETE_MARKER}"
+
+
+def state_dir(step: int) -> str:
+    """The trainer's resume state of step `step`: `train/state/step-000042/`."""
+    return f"{TRAIN_STATE}/step-{step:06d}"
+
+
+def state_step(name: str) -> int | None:
+    """The step of a folder name of `train/state/` (`step-000042` -> 42), None for a name `state_dir` never gives."""
+    match = STATE_RE.fullmatch(name)
+    return int(match[1]) if match and state_dir(int(match[1])) == f"{TRAIN_STATE}/{name}" else None
+
+
+def consumed_path(step: int) -> str:
+    """The trainer's ledger of the rows trained at `step`: `train/consumed/step-000042.jsonl`."""
+    return f"{TRAIN_CONSUMED}/step-{step:06d}.jsonl"
+
+
+def consumed_step(name: str) -> int | None:
+    """The step of a file name of `train/consumed/` (`step-000042.jsonl` -> 42), None for any other name."""
+    match = CONSUMED_RE.fullmatch(name)
+    return int(match[1]) if match else None
+
+
 def teacher_path(name: str) -> str:
     return f"{TEACHERS_DIR}/{validate_name('teacher name', name)}.json"
 
@@ -147,6 +206,37 @@ def skipped_path(shard_id: str) -> str:
     """The trainer's ledger of the rows of `shard_id` it will never train (unrouted, expired, lost)."""
     parse_shard_id(shard_id)
     return f"{TRAIN_SKIPPED}/{shard_id}.jsonl"
+
+
+def skipped_shard(name: str) -> str:
+    """The shard id a file name of `train/skipped/` is the ledger of (`<shard_id>.jsonl`)."""
+    return name.removesuffix(".jsonl")
+
+
+def leases_dir(teacher: str) -> str:
+    """The leases of one teacher's shards (opd_cache/annotate/leases.py): one LIST tells which shards are held."""
+    return f"{LEASES}/{teacher}"
+
+
+def lease_path(teacher: str, shard_id: str, generation: int) -> str:
+    """`leases/<teacher>/<shard_id>.<generation>.json`: generation g + 1 takes the shard over from g."""
+    return f"{leases_dir(teacher)}/{shard_id}.{generation:06d}.json"
+
+
+def parse_lease_name(name: str) -> tuple[str, int] | None:
+    """(shard id, generation) of a file name of a teacher's lease folder, None for any other name."""
+    match = LEASE_RE.match(name)
+    return (match["shard"], int(match["gen"])) if match else None
+
+
+def holder_path(name: str) -> str:
+    """`holders/<name>.json`: the policy versions a reader (a rollout worker, the evaluator) holds."""
+    return f"{HOLDERS}/{name}.json"
+
+
+def annotated_folder(name: str) -> str:
+    """A folder directly under `annotated/`: a version partition, or a shard's parts in the flat layout."""
+    return f"{ANNOTATED}/{name}"
 
 
 def metrics_dir(stem: str | None = None) -> str:
@@ -161,4 +251,9 @@ def metrics_path(stem: str, segment: str | None = None) -> str:
 
 def quarantine_path(rel: str) -> str:
     """Where `Store.quarantine(rel)` moves a file (whether it is there tells a quarantined file from a missing one)."""
-    return f"{QUARANTINE}/{quarantine_name(rel)}"
+    return quarantine_file(quarantine_name(rel))
+
+
+def quarantine_file(name: str) -> str:
+    """`quarantine/<name>`: a file of quarantine/ by its name (as a listing of the folder gives it)."""
+    return f"{QUARANTINE}/{name}"

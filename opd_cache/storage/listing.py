@@ -14,8 +14,10 @@ from opd_cache.storage.layout import (
     ROLLOUTS,
     ShardInfo,
     StoreError,
+    annotated_partition,
     parse_shard_id,
     partition_name,
+    rollout_partition,
     rollout_path,
 )
 
@@ -37,7 +39,7 @@ class ShardListing:
         if versions is None:
             infos = files.list_files(ROLLOUTS, recursive=True)
         else:
-            infos = [i for v in sorted(set(versions)) for i in files.list_files(f"{ROLLOUTS}/{partition_name(v)}")]
+            infos = [i for v in sorted(set(versions)) for i in files.list_files(rollout_partition(v))]
         prefix = files.path(ROLLOUTS) + "/"
         shards = []
         for info in infos:
@@ -52,7 +54,7 @@ class ShardListing:
                 continue  # foreign file: ignored by listings, reported by `opd inspect`
             if folder not in ("", partition_name(version)):
                 continue  # a shard filed under another version's partition (copied by hand): not ours to read
-            shards.append(ShardInfo(version, worker, seq, shard_id, f"{ROLLOUTS}/{rel}", info.size))
+            shards.append(ShardInfo(version, worker, seq, shard_id, files.relative_path(info.path), info.size))
         return sorted(shards)
 
     def annotated_parts(self, versions: Iterable[int] | None = None) -> dict[str, set[str]]:
@@ -61,11 +63,7 @@ class ShardListing:
         if versions is None:
             infos = files.list_files(ANNOTATED, recursive=True)
         else:
-            infos = [
-                i
-                for v in sorted(set(versions))
-                for i in files.list_files(f"{ANNOTATED}/{partition_name(v)}", recursive=True)
-            ]
+            infos = [i for v in sorted(set(versions)) for i in files.list_files(annotated_partition(v), recursive=True)]
         parts: dict[str, set[str]] = {}
         prefix = files.path(ANNOTATED) + "/"
         for info in infos:

@@ -265,7 +265,7 @@ class ManifestFiles:
         """The teachers registered in `run/teachers/` (one LIST, one GET each), by name."""
         files, records = self.files, []
         for info in sorted(files.list_files(TEACHERS_DIR), key=lambda i: i.base_name):
-            rel = f"{TEACHERS_DIR}/{info.base_name}"
+            rel = files.relative_path(info.path)
             data = files.read_json(rel) if info.base_name.endswith(".json") else None
             if data is None:  # not a record, or withdrawn since the listing
                 continue

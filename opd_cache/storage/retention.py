@@ -25,19 +25,13 @@ Rollout and annotated shards are the dataset and are never deleted here.
 
 from __future__ import annotations
 
-import re
 import socket
 import time
 
 from opd_cache.storage import layout
 from opd_cache.storage.integrity import MANIFEST
-from opd_cache.storage.layout import HOLDERS, POLICY
-from opd_cache.storage.layout import TRAIN_STATE as STATE_ROOT
-from opd_cache.storage.store import COMPLETE_MARKER, PARTITION_RE, Store
-
-
-def holder_rel(name: str) -> str:
-    return f"{HOLDERS}/{name}.json"
+from opd_cache.storage.layout import HOLDERS, POLICY, TRAIN_STATE
+from opd_cache.storage.store import Store
 
 
 class VersionHold:
@@ -75,12 +69,12 @@ class VersionHold:
             "expires": round(now + self.ttl_s, 3),
             "host": socket.gethostname(),
         }
-        self.store.write_json(holder_rel(self.name), record)
+        self.store.write_json(layout.holder_path(self.name), record)
         self.written = time.monotonic()
 
     def release(self) -> None:
         """The holder stops (a clean exit): its versions are free at once."""
-        self.store.delete(holder_rel(self.name))
+        self.store.delete(layout.holder_path(self.name))
 
 
 def live_holds(store: Store, now: float | None = None) -> list[dict]:
@@ -90,7 +84,7 @@ def live_holds(store: Store, now: float | None = None) -> list[dict]:
     for info in store.list_files(HOLDERS):
         if not info.base_name.endswith(".json"):
             continue
-        record = store.read_json(f"{HOLDERS}/{info.base_name}", default=None)
+        record = store.read_json(store.relative_path(info.path), default=None)
         if isinstance(record, dict) and float(record.get("expires", 0)) > now:
             holds.append(record)
     return holds
@@ -108,7 +102,8 @@ def is_pinned(version: int, holds: list[dict]) -> bool:
 
 def _version_folders(store: Store) -> list[int]:
     """Every `policy/vNNNNNN` folder, complete or not, oldest first."""
-    return sorted(int(name[1:]) for name in store.list_dirs(POLICY) if PARTITION_RE.fullmatch(name))
+    folders = (layout.policy_version_of(name) for name in store.list_dirs(POLICY))
+    return sorted(v for v in folders if v is not None)
 
 
 def outside_window(version: int, latest: int, keep: int) -> bool:
@@ -122,10 +117,10 @@ def delete_folder(store: Store, rel: str) -> None:
     A reader that checked the marker just before it went verifies the files against the manifest: while the
     manifest exists a deleted file reads as missing (the version is refused), never as an unverified folder.
     """
-    store.delete(f"{rel}/{COMPLETE_MARKER}")
+    store.delete(layout.complete_marker(rel))
     for info in store.list_files(rel):
         if info.base_name != MANIFEST:
-            store.delete(f"{rel}/{info.base_name}")
+            store.delete(store.relative_path(info.path))
     store.delete_dir(rel)
 
 
@@ -148,17 +143,16 @@ def prune_policy_versions(store: Store, keep: int) -> list[int]:
 def prune_states(store: Store, keep: int) -> list[int]:
     """Delete all but the newest `keep` complete resume states, and what a cut-short deletion left of older ones."""
     complete, incomplete = [], []
-    for name in store.list_dirs(STATE_ROOT):
-        m = re.fullmatch(r"step-(\d{6,})", name)
-        if m:
-            (complete if store.exists(f"{STATE_ROOT}/{name}/{COMPLETE_MARKER}") else incomplete).append(int(m[1]))
+    for step in (layout.state_step(name) for name in store.list_dirs(TRAIN_STATE)):
+        if step is not None:
+            (complete if store.exists(layout.complete_marker(layout.state_dir(step))) else incomplete).append(step)
     complete.sort()
     kept = complete[-keep:]
     # A folder without marker older than the oldest kept state is a deletion cut short; a newer one may be
     # an object-store upload in progress, so it stays (the next save of that step replaces it).
     doomed = complete[:-keep] + [s for s in incomplete if kept and s < kept[0]]
     for step in sorted(doomed):
-        delete_folder(store, f"{STATE_ROOT}/step-{step:06d}")
+        delete_folder(store, layout.state_dir(step))
     return sorted(doomed)
 
 

@@ -3,7 +3,8 @@
 `Store` is a `FileStore` (opd_cache/storage/filestore.py: atomic writes and create-if-absent over `pyarrow.fs`, local and
 object stores alike) that knows the run's layout (opd_cache/storage/layout.py names every path): shards and their
 listings (opd_cache/storage/listing.py), the run manifest (opd_cache/storage/manifest.py), policy versions, the trainer's status
-files and quarantine. The stages reach every store path through its methods.
+files and quarantine. Callers name files with layout.py's functions and never ask whether the store is a local
+directory: FileStore's methods say what they need (`local_dir`, `appends_in_place`, `atomic_create`, ...).
 
 Integrity (opd_cache/storage/integrity.py): shards end with an xxh3-64 trailer, checkpoint folders hold
 `_CHECKSUMS.json` (written before `_COMPLETE`); `read_buffer` hands readers a whole file in one read so
@@ -15,7 +16,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import secrets
 import shutil
 import sys
 from collections.abc import Iterator
@@ -42,12 +42,16 @@ from opd_cache.storage.layout import (
     TRAIN_PROGRESS,
     ShardInfo,
     StoreError,
+    complete_marker,
     make_shard_id,
     parse_shard_id,
     partition_name,
     policy_dir,
+    policy_version_of,
+    quarantine_file,
     quarantine_name,
     quarantine_path,
+    tmp_name,
     validate_name,
     validate_worker_id,
 )
@@ -101,12 +105,16 @@ class Store(FileStore):
         if not text.isdigit():
             raise StoreError(f"{self.path(LATEST)} holds {text!r}, expected a version number")
         version = int(text)
-        if version > 0 and not self.exists(f"{policy_dir(version)}/{COMPLETE_MARKER}"):
+        if version > 0 and not self.is_published(version):
             raise StoreError(
                 f"{self.path(LATEST)} points at version {version} but "
                 f"{self.path(policy_dir(version))} is missing or incomplete"
             )
         return version
+
+    def is_published(self, version: int) -> bool:
+        """Whether `policy/v<version>` is complete (its `_COMPLETE` marker exists): one HEAD."""
+        return self.exists(complete_marker(policy_dir(version)))
 
     def publish_policy(self, version: int, local_dir: str | os.PathLike, *, point_latest: bool = True) -> None:
         """Publish a local HF checkpoint directory as `policy/v<version>` and point LATEST at it.
@@ -116,24 +124,21 @@ class Store(FileStore):
         """
         rel = policy_dir(version)
         if self.is_local:
-            final = self.local_path(rel)
-            if not (final / COMPLETE_MARKER).exists():
-                tmp = Path(f"{final}{TMP_MARKER}{secrets.token_hex(6)}")
-                with self.writing("write", str(final)):
+            if not self.is_published(version):
+                tmp = self.local_path(tmp_name(rel))
+                with self.writing("write", self.path(rel)):
                     try:
                         shutil.copytree(local_dir, tmp)
                         (tmp / MANIFEST).write_bytes(manifest_bytes(manifest_for(tmp)))  # before the marker
                         (tmp / COMPLETE_MARKER).write_text(f"{version}\n")
-                        if final.exists():  # a half-made directory from a killed publish without marker
-                            shutil.rmtree(final)
-                        os.replace(tmp, final)
+                        self.replace_dir(tmp, rel)  # over a half-made folder of a killed publish
                     except BaseException:
                         shutil.rmtree(tmp, ignore_errors=True)  # e.g. disk full: leave no half copy behind
                         raise
         else:
             self.upload_dir(local_dir, rel)
             self.write_bytes(f"{rel}/{MANIFEST}", manifest_bytes(manifest_for(Path(local_dir))))
-            self.write_bytes(f"{rel}/{COMPLETE_MARKER}", f"{version}\n".encode())
+            self.write_bytes(complete_marker(rel), f"{version}\n".encode())
         if point_latest:
             self.write_bytes(LATEST, f"{version}\n".encode())
 
@@ -147,16 +152,9 @@ class Store(FileStore):
         """
         if after is not None:
             latest = self.latest_version()
-            return [
-                v
-                for v in range(max(after, 0) + 1, latest + 1)
-                if v == latest or self.exists(f"{policy_dir(v)}/{COMPLETE_MARKER}")
-            ]
-        versions = []
-        for name in self.list_dirs(POLICY):
-            if PARTITION_RE.fullmatch(name) and self.exists(f"{POLICY}/{name}/{COMPLETE_MARKER}"):
-                versions.append(int(name[1:]))
-        return sorted(versions)
+            return [v for v in range(max(after, 0) + 1, latest + 1) if v == latest or self.is_published(v)]
+        folders = (policy_version_of(name) for name in self.list_dirs(POLICY))
+        return sorted(v for v in folders if v is not None and self.is_published(v))
 
     # ------------------------------------------------------ trainer status
     def read_progress(self) -> dict:
@@ -198,13 +196,8 @@ class Store(FileStore):
     def quarantine(self, rel: str, reason: str) -> str:
         """Move a file that failed validation aside, with the reason beside it; returns the new path."""
         dest = quarantine_path(rel)
-        self._makedirs(self.path(QUARANTINE))
         self.write_bytes(f"{dest}{REASON_SUFFIX}", f"{rel}: {reason}\n".encode())
-        if self.is_local:
-            os.replace(self.path(rel), self.path(dest))
-        else:
-            self.fs.copy_file(self.path(rel), self.path(dest))
-            self.fs.delete_file(self.path(rel))
+        self.move_file(rel, dest)
         return dest
 
     def list_quarantine(self) -> dict[str, str]:
@@ -212,7 +205,7 @@ class Store(FileStore):
         for info in self.list_files(QUARANTINE):
             if info.base_name.endswith(REASON_SUFFIX):
                 out[info.base_name[: -len(REASON_SUFFIX)]] = (
-                    self.read_bytes(f"{QUARANTINE}/{info.base_name}").decode().strip()
+                    self.read_bytes(self.relative_path(info.path)).decode().strip()
                 )
         return out
 
@@ -235,7 +228,7 @@ class Store(FileStore):
                 version, worker, seq = parse_shard_id(shard_id)
             except ValueError:
                 continue
-            shards.append(ShardInfo(version, worker, seq, shard_id, f"{QUARANTINE}/{name}"))
+            shards.append(ShardInfo(version, worker, seq, shard_id, quarantine_file(name)))
         return sorted(shards)
 
 

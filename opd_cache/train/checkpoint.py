@@ -10,8 +10,9 @@ Resume state `train/state/step-<N>/` (every `save_every` steps and at the end):
     `_COMPLETE`, written last. `load_state` checks every file against the
     manifest before loading anything; the trainer quarantines a state that
     fails and resumes from the previous complete one.
-    Atomicity: on a local store every rank writes into `step-<N>.tmp-save/`,
-    rank 0 adds `_COMPLETE` and renames the folder into place. Object stores
+    Atomicity: on a local store every rank writes into `step-<N>.tmp-save/`
+    beside the final folder, rank 0 adds `_COMPLETE` and renames the folder
+    into place (`Store.replace_dir`). Object stores
     cannot rename folders: DCP writes to a local folder, each rank uploads its
     own files, and rank 0 writes `_COMPLETE` after all uploads. Only states
     with `_COMPLETE` are ever loaded; the newest `keep_states` are kept.
@@ -52,7 +53,6 @@ import json
 import logging
 import os
 import pickle
-import re
 import shutil
 import tempfile
 import time
@@ -61,6 +61,7 @@ from pathlib import Path
 
 import torch
 
+from opd_cache.storage import layout
 from opd_cache.storage.integrity import (
     MANIFEST,
     FileProblem,
@@ -69,25 +70,17 @@ from opd_cache.storage.integrity import (
     manifest_for,
     verify_local_folder,
 )
-from opd_cache.storage.layout import TRAIN_CONSUMED as CONSUMED
-from opd_cache.storage.layout import TRAIN_SKIPPED as SKIPPED
-from opd_cache.storage.layout import TRAIN_STATE as STATE_ROOT
+from opd_cache.storage.layout import TRAIN_CONSUMED, TRAIN_SKIPPED, TRAIN_STATE
 from opd_cache.storage.retention import prune_states
 from opd_cache.storage.store import COMPLETE_MARKER, Store, StoreError, iter_jsonl
 
-
-def state_rel(step: int) -> str:
-    return f"{STATE_ROOT}/step-{step:06d}"
+state_rel = layout.state_dir  # the name train/trainer.py imports (issue #30: it moves to layout.state_dir at merge)
 
 
 def complete_states(store: Store) -> list[int]:
     """Steps of the resume states whose `_COMPLETE` marker exists, oldest first."""
-    steps = []
-    for name in store.list_dirs(STATE_ROOT):
-        m = re.fullmatch(r"step-(\d{6,})", name)
-        if m and store.exists(f"{STATE_ROOT}/{name}/{COMPLETE_MARKER}"):
-            steps.append(int(m[1]))
-    return sorted(steps)
+    steps = (layout.state_step(name) for name in store.list_dirs(TRAIN_STATE))
+    return sorted(s for s in steps if s is not None and store.exists(layout.complete_marker(layout.state_dir(s))))
 
 
 def _barrier(distributed: bool) -> None:
@@ -128,10 +121,12 @@ def save_state(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(objective, optimizer)
-    rel = state_rel(step)
-    if store.is_local:
-        final = store.local_path(rel)
-        folder = Path(f"{final}.tmp-save")
+    rel = layout.state_dir(step)
+    # A local store: every rank writes beside the final folder (one rename publishes it). An object store
+    # cannot rename folders: DCP writes to a local folder and each rank uploads its own files.
+    staged_in_store = store.local_dir(layout.tmp_name(rel, "save"))
+    if staged_in_store is not None:
+        folder = staged_in_store
     else:
         folder = Path(tempfile.gettempdir()) / f"opd-state-{store.manifest.require().run_id}-step-{step:06d}"
     if rank == 0:
@@ -160,21 +155,19 @@ def save_state(
     # Each rank checksums the files it wrote (on an object store they exist only in its own local folder);
     # rank 0 writes the merged manifest before `_COMPLETE`.
     checksums = _gather_to_rank0(manifest_for(folder, [p.name for p in mine]), distributed)
-    if not store.is_local:
+    if staged_in_store is None:
         for p in mine:
             store.write_bytes(f"{rel}/{p.name}", p.read_bytes())
         _barrier(distributed)
     if rank == 0:
         manifest = manifest_bytes({name: entry for part in checksums for name, entry in part.items()})
-        if store.is_local:
+        if staged_in_store is not None:
             (folder / MANIFEST).write_bytes(manifest)
             (folder / COMPLETE_MARKER).write_text(f"{step}\n")
-            if final.exists():  # a folder from a crashed save without marker
-                shutil.rmtree(final)
-            os.replace(folder, final)
+            store.replace_dir(folder, rel)  # over a folder from a crashed save without marker
         else:
             store.write_bytes(f"{rel}/{MANIFEST}", manifest)
-            store.write_bytes(f"{rel}/{COMPLETE_MARKER}", f"{step}\n".encode())
+            store.write_bytes(layout.complete_marker(rel), f"{step}\n".encode())
             shutil.rmtree(folder, ignore_errors=True)
         # the marker first: a deletion cut short by a kill leaves an incomplete state, never a damaged "complete" one
         prune_states(store, keep)
@@ -187,7 +180,7 @@ def drop_corrupt_state(store: Store, error: CorruptStateError) -> None:
         rel = f"{error.rel}/{problem.name}"
         if problem.status == "corrupt" and store.exists(rel):
             store.quarantine(rel, problem.reason)
-    store.delete(f"{error.rel}/{COMPLETE_MARKER}")
+    store.delete(layout.complete_marker(error.rel))
 
 
 def _gather_to_rank0(obj, distributed: bool) -> list:
@@ -218,11 +211,10 @@ def load_state(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    rel = state_rel(step)
+    rel = layout.state_dir(step)
     cleanup = None
-    if store.is_local:
-        folder = store.local_path(rel)
-    else:
+    folder = store.local_dir(rel)  # a local store: read in place
+    if folder is None:  # an object store: read a downloaded copy
         cleanup = folder = Path(tempfile.mkdtemp(prefix="opd-state-"))
         store.download_dir(rel, folder)
     problems = verify_local_folder(folder)  # the bytes about to be loaded (on S3: the downloaded copy)
@@ -250,7 +242,7 @@ def load_state(
         reason = _checkpoint_reason(e) if isinstance(e, CheckpointException) else f"{type(e).__name__}: {e}"
         raise StoreError(
             f"{store.path(rel)}: the resume state cannot be loaded ({' '.join(reason.split())}); "
-            f"move it out of {store.path(STATE_ROOT)} to resume from the previous state"
+            f"move it out of {store.path(TRAIN_STATE)} to resume from the previous state"
         ) from None
     finally:
         if cleanup is not None:
@@ -345,10 +337,6 @@ def _safe_dcp_loaders(folder: str):
 
 
 # ------------------------------------------------------------------ ledger
-def consumed_rel(step: int) -> str:
-    return f"{CONSUMED}/step-{step:06d}.jsonl"
-
-
 def write_consumed(store: Store, step: int, batch) -> None:
     """The rows trained at `step` (a GlobalBatch), one JSON object per line."""
     shard_of_row = [batch.shard_ids[i] for i in batch.row_shard.tolist()]
@@ -356,31 +344,31 @@ def write_consumed(store: Store, step: int, batch) -> None:
         json.dumps({"sample_id": s, "shard_id": sh, "teacher": t, "policy_version": v})
         for s, sh, t, v in zip(batch.sample_ids, shard_of_row, batch.teachers, batch.row_version.tolist())
     ]
-    store.write_bytes(consumed_rel(step), ("\n".join(lines) + "\n").encode())
+    store.write_bytes(layout.consumed_path(step), ("\n".join(lines) + "\n").encode())
 
 
 def clear_ledger_after(store: Store, step: int, finished_shards: list[str]) -> None:
     """Forget what happened after the resumed state: the resumed run writes it again."""
-    for info in store.list_files(CONSUMED):
-        m = re.fullmatch(r"step-(\d+)\.jsonl", info.base_name)
-        if m and int(m[1]) > step:
-            store.delete(f"{CONSUMED}/{info.base_name}")
+    for info in store.list_files(TRAIN_CONSUMED):
+        trained_at = layout.consumed_step(info.base_name)
+        if trained_at is not None and trained_at > step:
+            store.delete(store.relative_path(info.path))
     finished = set(finished_shards)
-    for info in store.list_files(SKIPPED):
-        if info.base_name.removesuffix(".jsonl") not in finished:
-            store.delete(f"{SKIPPED}/{info.base_name}")
+    for info in store.list_files(TRAIN_SKIPPED):
+        if layout.skipped_shard(info.base_name) not in finished:
+            store.delete(store.relative_path(info.path))
 
 
 def read_ledger(store: Store) -> tuple[dict[int, list[str]], dict[str, str]]:
     """({step: trained sample ids}, {skipped sample id: reason})."""
     trained = {}
-    for info in store.list_files(CONSUMED):
-        m = re.fullmatch(r"step-(\d+)\.jsonl", info.base_name)
-        if m:
-            trained[int(m[1])] = [r["sample_id"] for r in iter_jsonl(store.read_bytes(f"{CONSUMED}/{info.base_name}"))]
+    for info in store.list_files(TRAIN_CONSUMED):
+        step = layout.consumed_step(info.base_name)
+        if step is not None:
+            trained[step] = [r["sample_id"] for r in iter_jsonl(store.read_bytes(store.relative_path(info.path)))]
     skipped = {}
-    for info in store.list_files(SKIPPED):
-        for r in iter_jsonl(store.read_bytes(f"{SKIPPED}/{info.base_name}")):
+    for info in store.list_files(TRAIN_SKIPPED):
+        for r in iter_jsonl(store.read_bytes(store.relative_path(info.path))):
             skipped[r["sample_id"]] = r["reason"]
     return dict(sorted(trained.items())), skipped
 

@@ -34,7 +34,7 @@ import torch
 
 from opd_cache.storage import layout
 from opd_cache.storage.retention import outside_window, prune_policy_versions
-from opd_cache.storage.store import COMPLETE_MARKER, Store
+from opd_cache.storage.store import Store
 
 PUBLISH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -137,9 +137,8 @@ class PolicyPublisher:
     def _publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
         store = self.store
         latest = store.latest_version()
-        marker = f"{layout.policy_dir(version)}/{COMPLETE_MARKER}"
         if latest >= version:  # a resumed trainer re-deriving a version published before the crash
-            if not store.exists(marker):
+            if not store.is_published(version):
                 if self.keep_versions and outside_window(version, latest, self.keep_versions):
                     return  # retention deleted it since, and would delete it again
             else:
@@ -148,7 +147,7 @@ class PolicyPublisher:
                     return  # published before a crash; the resumed run does not move LATEST back
                 # Damaged since (rollout quarantined what failed its checksum): publish these weights again.
                 print(f"policy version {version}: {problems[0].reason}; publishing it again", file=sys.stderr)
-                store.delete(marker)
+                store.delete(layout.complete_marker(layout.policy_dir(version)))
         from huggingface_hub import save_torch_state_dict
 
         folder = Path(tempfile.mkdtemp(prefix=f"opd-policy-v{version:06d}-"))

@@ -388,7 +388,8 @@ class ChaosDriver:
         leaves it): a reader that has the old file open keeps the bytes it verified. Rollout shards (their rows
         are lost by design) and policy versions are covered by tests/test_integrity.py instead.
         """
-        from opd_cache.train.checkpoint import complete_states, state_rel
+        from opd_cache.storage.layout import state_dir
+        from opd_cache.train.checkpoint import complete_states
 
         states = complete_states(self.store)
         # Parts of shards finished before the oldest complete state: no resume reads them again (a resumed
@@ -396,7 +397,7 @@ class ChaosDriver:
         # already published, which the replay check below would rightly refuse; see docs/reliability.md).
         try:
             finished = (
-                set(json.loads(self.store.read_bytes(f"{state_rel(states[0])}/trainer.json"))["cursor"]["finished"])
+                set(json.loads(self.store.read_bytes(f"{state_dir(states[0])}/trainer.json"))["cursor"]["finished"])
                 if states
                 else set()
             )
@@ -409,8 +410,8 @@ class ChaosDriver:
             for teacher in teachers
         ]
         damaged_states = {c["rel"].rsplit("/", 1)[0] for c in self.report.corrupted if c["rel"].startswith("train/")}
-        if len(states) >= 2 and not damaged_states & {state_rel(s) for s in states}:
-            newest = state_rel(states[-1])
+        if len(states) >= 2 and not damaged_states & {state_dir(s) for s in states}:
+            newest = state_dir(states[-1])
             candidates += [
                 f"{newest}/{info.base_name}"
                 for info in self.store.list_files(newest)

@@ -49,7 +49,7 @@ from opd_cache.config import Config
 from opd_cache.storage import layout
 from opd_cache.storage.schema import ANNOTATED, ROLLOUT, ShardMeta, check_annotation_matches, read_shard, write_shard
 from opd_cache.storage.store import COMPLETE_MARKER, TMP_MARKER, Store, iter_jsonl, make_shard_id
-from opd_cache.train.checkpoint import CONSUMED, SKIPPED, complete_states, verify_ledger
+from opd_cache.train.checkpoint import complete_states, verify_ledger
 
 REPLAY_WORKER = "replay"
 
@@ -93,9 +93,9 @@ def read_state(store: Store, step: int, student: str) -> tuple[dict[str, torch.T
 def ledger_lines(store: Store) -> dict[int, list[dict]]:
     """{step: the ledger lines of the rows trained at that step, in order}."""
     steps = {}
-    for info in store.list_files(CONSUMED):
+    for info in store.list_files(layout.TRAIN_CONSUMED):
         step = int(info.base_name.removeprefix("step-").removesuffix(".jsonl"))
-        steps[step] = list(iter_jsonl(store.read_bytes(f"{CONSUMED}/{info.base_name}")))
+        steps[step] = list(iter_jsonl(store.read_bytes(store.relative_path(info.path))))
     return dict(sorted(steps.items()))
 
 
@@ -233,8 +233,8 @@ def check_store(
 
     # 4. Conservation: trained + expired + pending = every rollout row, each exactly once.
     skipped = {}
-    for info in store.list_files(SKIPPED):
-        for line in iter_jsonl(store.read_bytes(f"{SKIPPED}/{info.base_name}")):
+    for info in store.list_files(layout.TRAIN_SKIPPED):
+        for line in iter_jsonl(store.read_bytes(store.relative_path(info.path))):
             assert line["sample_id"] not in skipped, f"{line['sample_id']} skipped twice"
             skipped[line["sample_id"]] = line["reason"]
     assert set(skipped.values()) <= {"expired"}, f"unexpected skip reasons {Counter(skipped.values())}"

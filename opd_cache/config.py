@@ -12,6 +12,7 @@ turns its report into one line per problem).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -44,7 +45,19 @@ class StoreConfig(Section):
     """Where the stages meet: a directory or an object-store prefix."""
 
     uri: str = Field("store", description="where the stages meet: a directory, file://…, s3://bucket/prefix, gs://…")
-    s3_endpoint: str | None = Field(None, description="e.g. http://127.0.0.1:9000 for MinIO / moto")
+    s3_endpoint: str | None = Field(
+        None,
+        validate_default=True,
+        description="S3-compatible server of s3:// stores (MinIO, Ceph, moto), e.g. http://127.0.0.1:9000; "
+        "unset: the AWS_ENDPOINT_URL environment variable, else AWS itself (credentials: AWS_ACCESS_KEY_ID / "
+        "AWS_SECRET_ACCESS_KEY or an instance role)",
+    )
+
+    @field_validator("s3_endpoint", mode="before")
+    @classmethod
+    def _endpoint_from_environment(cls, value: str | None) -> str | None:
+        """The one place the environment names the endpoint: every Store gets it from this key."""
+        return value if value is not None else os.environ.get("AWS_ENDPOINT_URL") or None
 
 
 class SamplingConfig(Section):

@@ -338,7 +338,8 @@ def test_export_from_and_to_an_s3_store(annotated_store, s3_store, s3_endpoint, 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    monkeypatch.setenv("OPD_S3_ENDPOINT", s3_endpoint)  # what the CLI's Store(uri) connects to
+    # `opd export` reads no configuration: its Store(uri) reaches the server as pyarrow does, by AWS_ENDPOINT_URL
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
 
     root = Path(annotated_store.root)
     for p in sorted(root.rglob("*")):

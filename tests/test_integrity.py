@@ -381,7 +381,7 @@ def test_verify_reports_each_damaged_file_and_exits_non_zero(tmp_path, student_p
 
 
 def test_verify_works_on_s3(s3_store, s3_endpoint, monkeypatch):
-    monkeypatch.setenv("OPD_S3_ENDPOINT", s3_endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # `opd verify` reads no configuration: pyarrow reads it
     run = s3_store.manifest.ensure(student="s", tokenizer_fingerprint="fp")
     for seq in range(2):
         write_synthetic_shard(s3_store, run, make_shard_id(0, "w00", seq), num_rows=6, vocab_size=40, top_k=4, seed=seq)

@@ -189,7 +189,7 @@ def test_replay_from_an_s3_store_leaves_its_objects_unchanged(
 
     import pyarrow.fs as pafs
 
-    monkeypatch.setenv("OPD_S3_ENDPOINT", s3_endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # the --from stores: Store(uri), as pyarrow opens it
     root = Path(annotated_store.root)
     for p in sorted(root.rglob("*")):
         if p.is_file():

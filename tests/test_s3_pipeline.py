@@ -1,7 +1,7 @@
 """The tiny `opd run` of tests/test_run.py with its store on an S3-compatible server (moto on 127.0.0.1).
 
 Every stage process reaches the server through `store.s3_endpoint` in the
-configuration and the AWS_* credentials in its environment (no OPD_S3_ENDPOINT):
+configuration and the AWS_* credentials in its environment (no AWS_ENDPOINT_URL):
 nothing is written to a local store, and the checks read everything back over S3.
 The chaos driver's S3 run is `tests/chaos/test_chaos.py::test_kill_anything_on_an_s3_store`.
 """
@@ -26,7 +26,7 @@ def s3_run(tmp_path_factory, s3_endpoint):
     tmp = tmp_path_factory.mktemp("s3run")
     bucket = f"opdrun{int(time.time() * 1000) % 10**8}"
     uri = f"s3://{bucket}/run"
-    env = {k: v for k, v in os.environ.items() if k not in ("OPD_S3_ENDPOINT", "AWS_ENDPOINT_URL")}
+    env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
     env.update(CREDENTIALS)
     patch = pytest.MonkeyPatch()  # the Store of this process (the checks) needs the credentials too
     for key, value in CREDENTIALS.items():

@@ -175,7 +175,7 @@ WRITER = textwrap.dedent(
     """
     import sys, numpy as np
     from opd_cache.storage.store import Store
-    store = Store(sys.argv[1])
+    store = Store(sys.argv[1], s3_endpoint=sys.argv[2] or None)  # the endpoint as store.s3_endpoint passes it
     chunk = np.random.default_rng(0).bytes(1 << 20)
     def write(out):
         print("writing", flush=True)
@@ -189,25 +189,24 @@ WRITER = textwrap.dedent(
 @pytest.mark.parametrize("backend", ["local", "s3"])
 def test_sigkill_mid_write_leaves_no_visible_file(backend, tmp_path, request):
     if backend == "local":
-        uri, env = str(tmp_path / "store"), dict(os.environ)
+        uri, endpoint, env = str(tmp_path / "store"), "", dict(os.environ)
     else:
         endpoint = request.getfixturevalue("s3_endpoint")
         store = request.getfixturevalue("s3_store")
         uri = store.uri
         env = {
             **os.environ,
-            "OPD_S3_ENDPOINT": endpoint,
             "AWS_ACCESS_KEY_ID": "test",
             "AWS_SECRET_ACCESS_KEY": "test",
             "AWS_DEFAULT_REGION": "us-east-1",
         }
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, uri], stdout=subprocess.PIPE, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, uri, endpoint], stdout=subprocess.PIPE, env=env)
     assert proc.stdout.readline().strip() == b"writing"
     time.sleep(1.0)  # let it write many MB (local) / start a multipart upload (s3)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
 
-    store = Store(uri, s3_endpoint=env.get("OPD_S3_ENDPOINT"))
+    store = Store(uri, s3_endpoint=endpoint or None)
     assert not store.exists("rollouts/v000000/v000000-w00-000000.arrow")
     assert store.shards.rollouts() == []
     # a later write of the same name succeeds and is complete

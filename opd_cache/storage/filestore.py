@@ -15,6 +15,8 @@ Local directory or object store: only this package asks (`is_local`). The rest o
 needs: `appends_in_place` (the metrics log), `atomic_create` (the annotate leases), `on_this_machine` (can
 other machines see it), `local_dir(rel)` (a folder to read in place, e.g. a checkpoint; `replace_dir` moves a
 folder staged there into place), and uses methods that work on both: `move_file`, `open_atomic_output`.
+The S3 endpoint is the `s3_endpoint` argument (the configuration's `store.s3_endpoint`), never read from the
+environment here.
 
 Integrity (opd_cache/storage/integrity.py): shards end with an xxh3-64 trailer, checkpoint folders hold
 `_CHECKSUMS.json` (written before `_COMPLETE`); `read_buffer` hands readers a whole file in one read so
@@ -438,15 +440,18 @@ class AtomicOutput:
 
 
 def _filesystem_for(uri: str, s3_endpoint: str | None) -> tuple[pafs.FileSystem, str]:
-    """Resolve a path or URI to (filesystem, root path inside it)."""
+    """Resolve a path or URI to (filesystem, root path inside it).
+
+    `s3_endpoint` is the configuration's `store.s3_endpoint` (config.py resolves it, environment included);
+    nothing here reads the endpoint from anywhere else. Without it pyarrow opens the URI as it would anywhere.
+    """
     if "://" not in uri:
         return pafs.LocalFileSystem(), os.path.abspath(uri)
-    endpoint = s3_endpoint or os.environ.get("OPD_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
-    if uri.startswith("s3://") and endpoint:
+    if uri.startswith("s3://") and s3_endpoint:
         # S3-compatible servers (MinIO, moto, Ceph): pyarrow needs the endpoint and scheme split apart.
-        scheme, _, host = endpoint.partition("://")
+        scheme, _, host = s3_endpoint.partition("://")
         if not host:
-            scheme, host = "https", endpoint
+            scheme, host = "https", s3_endpoint
         fs = pafs.S3FileSystem(
             endpoint_override=host,
             scheme=scheme,

@@ -20,8 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from opd_cache.flow.staleness import DEFAULT_MAX_STALENESS
-from opd_cache.losses import LossConfig
+DEFAULT_MAX_STALENESS = 2  # the top-level max_staleness (the rule itself: opd_cache/flow/staleness.py)
 
 
 class ConfigError(ValueError):
@@ -172,15 +171,15 @@ class AnnotateConfig(Section):
 class TrainConfig(Section):
     """`opd train`: the FSDP2 student trainer (losses: docs/losses.md)."""
 
-    # The loss keys take their defaults from LossConfig, which `LossConfig.from_train_config` builds from them.
+    # The loss keys' defaults are LossConfig's too (opd_cache/losses/config.py reads them from here).
     student: str | None = Field(None, description="student model (version 0); defaults to run.json's student")
     loss: str = Field(
-        LossConfig.divergence, description="forward_kl | reverse_kl | jsd | k2 | k3 | abs | pg (policy-gradient OPD)"
+        "forward_kl", description="forward_kl | reverse_kl | jsd | k2 | k3 | abs | pg (policy-gradient OPD)"
     )
-    tail: Literal["bucket", "renorm", "none"] = LossConfig.tail
+    tail: Literal["bucket", "renorm", "none"] = "bucket"
     support: Literal["teacher", "union"] = "teacher"
-    beta: float = Field(LossConfig.beta, ge=0, le=1, description="JSD mixture weight (0 = forward KL, 1 = reverse KL)")
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = LossConfig.aggregation
+    beta: float = Field(0.5, ge=0, le=1, description="JSD mixture weight (0 = forward KL, 1 = reverse KL)")
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     max_steps: int = Field(100, ge=1, description="optimizer steps to train in total")
     max_staleness: int = _stage_max_staleness(
         "the trainer (`opd train --max-staleness`)", deprecated="deprecated in a file"
@@ -199,22 +198,16 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     grad_clip: float = Field(1.0, gt=0, description="largest gradient norm")
-    chunk_size: int = Field(LossConfig.chunk_size, ge=1, description="tokens per chunk of the fused loss")
+    chunk_size: int = Field(1024, ge=1, description="tokens per chunk of the fused loss")
     clip_low: float = Field(
-        LossConfig.clip_low,
+        0.2,
         ge=0,
         description="policy-gradient OPD: the ratio is clipped to [1 - clip_low, 1 + clip_high]",
     )
-    clip_high: float = Field(LossConfig.clip_high, ge=0, description="upper clip of the policy-gradient ratio")
-    importance_cap: float | None = Field(
-        LossConfig.importance_cap, gt=0, description="truncated IS weight min(exp(s - s_behavior), c)"
-    )
-    task_reward_weight: float = Field(
-        LossConfig.task_reward_weight, ge=0, description="0 = pure distillation; >0 adds GRPO task loss"
-    )
-    distill_weight: float = Field(
-        LossConfig.distill_weight, ge=0, description="λ in total = task loss + λ·distillation"
-    )
+    clip_high: float = Field(0.28, ge=0, description="upper clip of the policy-gradient ratio")
+    importance_cap: float | None = Field(None, gt=0, description="truncated IS weight min(exp(s - s_behavior), c)")
+    task_reward_weight: float = Field(0.0, ge=0, description="0 = pure distillation; >0 adds GRPO task loss")
+    distill_weight: float = Field(1.0, ge=0, description="λ in total = task loss + λ·distillation")
     activation_checkpointing: bool = Field(
         False, description="recompute activations in the backward pass (less memory)"
     )

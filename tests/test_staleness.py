@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from opd_cache.config import load_config
-from opd_cache.flow.staleness import DEFAULT_MAX_STALENESS, is_too_stale, staleness_window
+from opd_cache.config import DEFAULT_MAX_STALENESS, load_config
+from opd_cache.flow.staleness import is_too_stale, staleness_window
 from opd_cache.launch.run import sync_overrides, write_resolved_config
 from tests.conftest import REPO
 

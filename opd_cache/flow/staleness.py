@@ -7,13 +7,11 @@ One rule for the three stages (DESIGN.md §3). A row sampled with policy version
 - annotate skips a shard that is too stale against LATEST (the trainer can no longer use it);
 - the trainer expires a shard that is too stale against the version of the step it would train in.
 
-The bound is the top-level `max_staleness` of the configuration (default DEFAULT_MAX_STALENESS); the per-stage
-keys of earlier versions still override it for one stage (opd_cache/config.py).
+The bound is the top-level `max_staleness` of the configuration (its default: `DEFAULT_MAX_STALENESS` in
+opd_cache/config.py); the per-stage keys of earlier versions still override it for one stage.
 """
 
 from __future__ import annotations
-
-DEFAULT_MAX_STALENESS = 2
 
 
 def is_too_stale(version: int, latest: int, max_staleness: int | None) -> bool:

@@ -45,8 +45,8 @@ import importlib
 
 from opd_cache.losses.config import AGGREGATIONS, LOSSES, POLICY_GRADIENT, TAILS, LossConfig, LossSpec
 
-# The tensor functions import torch; they load on first use, so that reading a configuration (config.py takes
-# its loss defaults from LossConfig: every CLI command, the `opd run` supervisor) does not import torch.
+# The tensor functions import torch; they load on first use, so that checking the loss options (LossConfig, e.g.
+# before the trainer loads a model) does not import torch.
 _LAZY = {
     "aggregate": "aggregation",
     "aggregation_weights": "aggregation",

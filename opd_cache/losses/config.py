@@ -8,17 +8,24 @@ outside [0, 1), ...) fails where the config is built, with the same one-line
 losses are a plain tensor library whose error messages are part of its
 contract (pydantic would wrap them in its own report), and because a frozen
 dataclass is free to build per call. The trainer builds it from its
-`TrainConfig` in one place, `LossConfig.from_train_config`; `TrainConfig`'s
-loss keys take their defaults from here, so each default is written once.
+`TrainConfig` in one place, `LossConfig.from_train_config`. Each default is
+written once, as the default of the `train` key of the same meaning
+(opd_cache/config.py, the bottom layer every package may import; `loss` is
+`divergence` here): `opd train` and `LossConfig()` agree by construction.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from opd_cache.config import TrainConfig
+from opd_cache.config import TrainConfig
+
+_TRAIN_KEYS = TrainConfig.model_fields  # the loss keys of `opd train`, whose defaults LossConfig's are
+
+
+def _default(key: str):
+    """The default of the `train` section's key `key` (docs/configuration.md)."""
+    return _TRAIN_KEYS[key].default
 
 
 @dataclass(frozen=True)
@@ -59,18 +66,19 @@ class LossConfig:
     divergences), `distill_weight`, `task_reward_weight` and `aggregation`.
     """
 
-    divergence: str = "forward_kl"  # a LOSSES name, or "pg"
-    tail: str = "bucket"  # top-k divergences: bucket | renorm | none
-    beta: float = 0.5  # jsd: m = beta*p + (1-beta)*q
+    divergence: str = _default("loss")  # a LOSSES name, or "pg"
+    tail: str = _default("tail")  # top-k divergences: bucket | renorm | none
+    beta: float = _default("beta")  # jsd: m = beta*p + (1-beta)*q
     policy_gradient: bool = False  # with divergence "k1": policy-gradient OPD (the same as "pg")
     # PPO clip range of policy-gradient OPD and of the GRPO task loss (clip_high > clip_low: DAPO's "clip-higher")
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    importance_cap: float | None = None  # truncated importance weight min(exp(s - s_behavior), c)
-    chunk_size: int = 1024  # tokens per chunk of fused_token_losses: ~chunk_size * V * 4 bytes
-    aggregation: str = "token-mean"  # how per-token losses sum over the optimizer step (AGGREGATIONS)
-    distill_weight: float = 1.0  # the trainer's total = distill_weight * distillation + task_reward_weight * task
-    task_reward_weight: float = 0.0
+    clip_low: float = _default("clip_low")
+    clip_high: float = _default("clip_high")
+    importance_cap: float | None = _default("importance_cap")  # truncated importance weight min(exp(s - s_b), c)
+    chunk_size: int = _default("chunk_size")  # tokens per chunk of fused_token_losses: ~chunk_size * V * 4 bytes
+    aggregation: str = _default("aggregation")  # how per-token losses sum over the optimizer step (AGGREGATIONS)
+    # the trainer's total = distill_weight * distillation + task_reward_weight * task
+    distill_weight: float = _default("distill_weight")
+    task_reward_weight: float = _default("task_reward_weight")
 
     def __post_init__(self):
         divergence, policy_gradient = self.divergence, self.policy_gradient
@@ -125,7 +133,7 @@ class LossConfig:
         The divergence is the key `loss` (flag --loss); every other loss key has its field's name here, so one
         added to both is carried over without a third edit.
         """
-        same_name = [f.name for f in fields(cls) if f.name in type(cfg).model_fields]
+        same_name = [f.name for f in fields(cls) if f.name in _TRAIN_KEYS]
         return cls(divergence=cfg.loss, **{name: getattr(cfg, name) for name in same_name})
 
 

@@ -1,4 +1,4 @@
-"""The `packed` annotation codec (opd_cache/storage/codec.py).
+"""The `packed` annotation codec (opd_cache/storage/codec.py, its id packings in idpack.py).
 
 Round trips are checked entry by entry against the bound stated in the codec's
 docstring (entries come back in rank order, so rows are compared as sets of
@@ -23,7 +23,7 @@ from opd_cache.annotate import annotate
 from opd_cache.config import AnnotateConfig
 from opd_cache.losses import LossConfig, token_losses
 from opd_cache.models import build_tiny_model, load_causal_lm
-from opd_cache.storage import codec, layout, quantize, schema
+from opd_cache.storage import codec, idpack, layout, quantize, schema
 from opd_cache.storage.schema import ANNOTATED, ShardError, ShardMeta, annotated_table, read_shard, write_shard
 from opd_cache.storage.store import Store, make_shard_id
 from opd_cache.tokenizer import load_tokenizer
@@ -45,11 +45,11 @@ def test_ids_round_trip_exactly_at_ceil_log2_v_bits(vocab, k):
     rng = np.random.default_rng(vocab + k)
     ids = rng.integers(0, vocab, size=(257, k))
     ids[0] = vocab - 1  # the largest id needs every bit
-    bits = codec.id_bits(vocab)
+    bits = idpack.id_bits(vocab)
     assert bits == int(np.ceil(np.log2(vocab)))
-    packed = codec.pack_ids(ids, bits)
+    packed = idpack.pack_ids(ids, bits)
     assert packed.shape == (257, (k * bits + 7) // 8) and packed.dtype == np.uint8
-    np.testing.assert_array_equal(codec.unpack_ids(packed, k, bits), ids)
+    np.testing.assert_array_equal(idpack.unpack_ids(packed, k, bits), ids)
 
 
 @pytest.mark.parametrize("vocab,k", [(2, 1), (2, 2), (9, 4), (99, 32), (99, 64), (99, 99), (1000, 200)])
@@ -57,21 +57,21 @@ def test_id_sets_round_trip_exactly_through_a_bitmap(vocab, k):
     rng = np.random.default_rng(vocab * k)
     ids = np.sort(np.argsort(rng.random((300, vocab)), axis=1)[:, :k], axis=1)  # k distinct ids per row, ascending
     ids[0] = np.arange(vocab - k, vocab)  # the largest ids
-    bitmap = codec.pack_id_bitmap(ids, vocab)
+    bitmap = idpack.pack_id_bitmap(ids, vocab)
     assert bitmap.shape == (300, (vocab + 7) // 8) and bitmap.dtype == np.uint8
-    np.testing.assert_array_equal(codec.unpack_id_bitmap(bitmap, k), ids)
+    np.testing.assert_array_equal(idpack.unpack_id_bitmap(bitmap, k), ids)
 
 
 def test_a_bitmap_without_k_ids_in_a_position_is_refused():
-    bitmap = codec.pack_id_bitmap(np.array([[1, 5], [0, 2]]), 9)
+    bitmap = idpack.pack_id_bitmap(np.array([[1, 5], [0, 2]]), 9)
     bitmap[1, 0] |= 0b1000  # a third id in the second position
     with pytest.raises(codec.CodecError, match=r"^p: an id bitmap holds 5 ids in 2 positions, expected 2 each$"):
-        codec.unpack_id_bitmap(bitmap, 2, "p")
+        idpack.unpack_id_bitmap(bitmap, 2, "p")
 
 
 def test_an_id_outside_the_bit_width_is_refused():
     with pytest.raises(ValueError, match=r"ids must lie in \[0, 4\) for 2-bit packing"):
-        codec.pack_ids(np.array([[1, 4]]), 2)
+        idpack.pack_ids(np.array([[1, 4]]), 2)
 
 
 # ---------------------------------------------------------------- log-probs
@@ -366,7 +366,7 @@ def assert_losses_match(
         sample_ids=["s0"], lengths=np.array([n]), topk_ids=topk_ids, topk_logprobs=topk_lp, token_logprob=token_lp
     )
     table, _ = codec.encode_annotation(plain, student_logits.shape[1])
-    decoded = codec.decode_annotation(table, topk_ids.shape[1], codec.id_bits(student_logits.shape[1]))
+    decoded = codec.decode_annotation(table, topk_ids.shape[1], idpack.id_bits(student_logits.shape[1]))
     sampled_ids = torch.from_numpy(sampled)
     for divergence in ("forward_kl", "reverse_kl", "jsd", "k3"):
         config = LossConfig(divergence=divergence, tail="bucket")

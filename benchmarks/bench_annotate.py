@@ -47,7 +47,7 @@ from common import write_results
 
 from opd_cache.annotate import Annotator
 from opd_cache.annotate.hf_score import HFScorer, plan_batches
-from opd_cache.config import AnnotateConfig
+from opd_cache.config import AnnotateConfig, Config
 from opd_cache.models import build_tiny_model, save_causal_lm
 from opd_cache.storage.schema import (
     annotated_table,
@@ -145,7 +145,9 @@ def time_annotate(store: Store, teacher: Path, scorer: HFScorer, args) -> tuple[
     cfg = AnnotateConfig(
         teacher=str(teacher), top_k=args.top_k, dtype="float16", max_tokens_per_batch=args.max_tokens_per_batch
     )
-    annotator = Annotator(store, cfg, scorer=scorer, progress=False)  # checks + run.json; the model is loaded
+    annotator = Annotator(
+        Config(annotate=cfg), store, scorer=scorer, progress=False
+    )  # checks + run.json; the model is loaded
     start = time.perf_counter()
     stats = annotator.run()
     return time.perf_counter() - start, stats.tokens

@@ -12,7 +12,7 @@ are grown in place from one size to the next (the history grows, as in a run):
           `rollouts/` and, recursively, all of `annotated/`
           (trainer, annotate: both listings; rollout's backlog gauge: the rollout listing and progress.json)
   new     version partitions (`rollouts/v000123/`, `annotated/v000123/`) and the stages' own code:
-          trainer `ShardStream.refresh`, annotate `Annotator.pending_shards`, rollout `BacklogGauge.backlog`,
+          trainer `ShardStream.refresh`, annotate `ShardSelection.pending`, rollout `BacklogGauge.backlog`,
           each after its first (catch-up) poll: the window's partitions plus one of the amortised sweep
 
 The ratio to the poll at 500 shards is timed against a twin store that stays at 500 shards, polled
@@ -51,11 +51,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from opd_cache.annotate import Annotator
-from opd_cache.config import AnnotateConfig
+from opd_cache.annotate.selection import ShardSelection
 from opd_cache.rollout.pacing import BacklogGauge
 from opd_cache.storage import layout
-from opd_cache.storage.store import COMPLETE_MARKER, ShardWatch, Store, make_shard_id, parse_shard_id
+from opd_cache.storage.store import COMPLETE_MARKER, Store, make_shard_id, parse_shard_id
 from opd_cache.testing import CountingFileSystem
 from opd_cache.train.shard_data import ShardCache
 from opd_cache.train.stream import ShardStream
@@ -123,18 +122,15 @@ def new_polls(store: Store, latest: int, shard_ids: list[str]) -> dict:
     stream = ShardStream(
         store, run, ShardCache(store, run, ["teacher"]), max_staleness=STALENESS, batch_samples=8, batch_tokens=None
     )
-    annotator = Annotator.__new__(Annotator)  # only what pending_shards reads: no teacher model to load
-    annotator.store, annotator.teacher, annotator.max_staleness = store, "teacher", STALENESS
-    annotator.cfg = AnnotateConfig(teacher="t")
-    annotator._watch = ShardWatch(store, parts=True)
+    selection = ShardSelection(store, "teacher", max_staleness=STALENESS)  # an annotator's, without its teacher
     gauge = BacklogGauge(store, window=STALENESS)
     for shard_id in shard_ids:  # counted before (placeholders hold 0 rows)
         gauge.rows[shard_id] = 0
     # Each stage as after its first poll, which lists the whole history once per process (a restart's catch-up,
     # what every poll cost before): measured here are the polls of a running stage.
-    for watch in (stream._watch, annotator._watch, gauge._watch):
+    for watch in (stream._watch, selection.watch, gauge._watch):
         watch.listed_below = latest - STALENESS
-    polls = {"trainer": lambda: stream.refresh(latest), "annotate": annotator.pending_shards, "rollout": gauge.backlog}
+    polls = {"trainer": lambda: stream.refresh(latest), "annotate": selection.pending, "rollout": gauge.backlog}
     for poll in polls.values():
         poll()  # warm-up
     return polls

@@ -15,7 +15,7 @@ Part 1, the pipeline (loss: forward KL on the teacher's top-8 + tail bucket):
              rollout waits for each new version (max_buffer_samples = one row
              less than a batch): verl's lockstep generate → annotate → train.
   async-s1/2/4
-             max_staleness s for rollout and trainer. A version every step
+             max_staleness s (the one bound of every stage). A version every step
              (publish_every 1, pinned here, as --sync does), so that sync and
              async differ only in how far rollout may run ahead. The backlog cap
              is scaled with s, max_buffer_samples = 64 × s: a batch sampled
@@ -96,9 +96,9 @@ CLI = [sys.executable, "-m", "opd_cache.cli"]
 # name -> (description, --set overrides on the demo config, mode: "sync" | "async")
 PIPELINE = {
     "sync": ("`opd run --sync`", [], "sync"),
-    "async-s1": ("async, max_staleness 1", ["train.max_staleness=1", "rollout.max_staleness=1"], "async"),
-    "async-s2": ("async, max_staleness 2 (the demo)", ["train.max_staleness=2", "rollout.max_staleness=2"], "async"),
-    "async-s4": ("async, max_staleness 4", ["train.max_staleness=4", "rollout.max_staleness=4"], "async"),
+    "async-s1": ("async, max_staleness 1", ["max_staleness=1"], "async"),
+    "async-s2": ("async, max_staleness 2 (the demo)", ["max_staleness=2"], "async"),
+    "async-s4": ("async, max_staleness 4", ["max_staleness=4"], "async"),
 }
 LOSS_RUNS = {  # forward_kl is async-s2
     "k3": ("k3 (sampled token)", [*PIPELINE["async-s2"][1], "train.loss=k3"]),
@@ -125,7 +125,7 @@ def run_config(
         cfg = sync_overrides(cfg)
     else:
         # room for max_staleness versions of backlog: rows sampled now train at most ~s versions later
-        cfg.rollout.max_buffer_samples = batch * cfg.train.publish_every * max(1, min(cfg.train.max_staleness, 64))
+        cfg.rollout.max_buffer_samples = batch * cfg.train.publish_every * max(1, min(cfg.max_staleness, 64))
     # the evaluator counts versions; evaluate every `eval_every_steps` optimizer steps whatever publish_every is
     cfg.run.eval_every = max(1, eval_every_steps // cfg.train.publish_every)
     cfg.train.save_every = max(cfg.train.save_every, steps)  # resume states are not what is measured
@@ -463,7 +463,7 @@ def main() -> None:
             cfg = run_config(
                 run_dir,
                 args.seed,
-                [*PIPELINE[REPLAY_SOURCE][1], f"train.max_staleness={REPLAY_STALENESS}"],
+                [*PIPELINE[REPLAY_SOURCE][1], f"max_staleness={REPLAY_STALENESS}"],
                 steps=steps,
                 eval_every_steps=eval_every,
                 mode="async",
@@ -483,7 +483,7 @@ def main() -> None:
             "support": cfg.train.support,
             "beta": cfg.train.beta,
             "student_topk": cfg.rollout.student_topk,
-            "max_staleness": cfg.train.max_staleness,
+            "max_staleness": cfg.max_staleness,
             "publish_every": cfg.train.publish_every,
             "max_buffer_samples": cfg.rollout.max_buffer_samples,
             "eval_every": cfg.run.eval_every,

@@ -81,7 +81,7 @@ def train_once(template: Path, workdir: Path, steps: int, variant: str, warmup: 
     overrides = {
         "store.uri": str(root),
         "train.max_steps": steps,
-        "train.max_staleness": 10**6,  # every synthetic row is of version 0
+        "max_staleness": 10**6,  # every synthetic row is of version 0
         "train.publish_every": 10**6 if variant == "never" else 1,
         "train.warmup_steps": 0,
     }
@@ -91,7 +91,7 @@ def train_once(template: Path, workdir: Path, steps: int, variant: str, warmup: 
         trainer_module.PolicyPublisher = functools.partial(PolicyPublisher, background=False)
     try:
         tic = time.perf_counter()
-        result = trainer_module.train(cfg)
+        result = trainer_module.run_train(cfg, Store(root))
         wall = time.perf_counter() - tic
     finally:
         trainer_module.PolicyPublisher = real

@@ -145,7 +145,8 @@ def lease_requests_on_s3(shards: int, rows: int) -> dict:
         endpoint = f"http://127.0.0.1:{port}"
         Store("s3://bench/run", s3_endpoint=endpoint).fs.create_dir("bench")
         store = make_store("s3://bench/run", shards, rows, s3_endpoint=endpoint)
-        annotator = Annotator(store, AnnotateConfig(teacher=str(TEACHER), top_k=8, worker_id="a0"), progress=False)
+        cfg = Config(annotate=AnnotateConfig(teacher=str(TEACHER), top_k=8, worker_id="a0"))
+        annotator = Annotator(cfg, store, progress=False)
         stats = annotator.run()
         requests = dict(annotator.leases.requests)
     finally:

@@ -116,7 +116,7 @@ def run_rollout_side(args) -> dict:
     import torch
 
     import opd_cache.rollout.hf_generate  # noqa: F401  (run_rollout imports its engine lazily)
-    from opd_cache.config import RolloutConfig, SamplingConfig
+    from opd_cache.config import Config, RolloutConfig, SamplingConfig
     from opd_cache.rollout import run_rollout
     from opd_cache.storage.store import Store
 
@@ -135,7 +135,7 @@ def run_rollout_side(args) -> dict:
     )
     with tempfile.TemporaryDirectory() as store_dir:
         start, cpu_start = time.perf_counter(), cpu_seconds()
-        result = run_rollout(cfg, Store(store_dir))
+        result = run_rollout(Config(rollout=cfg), Store(store_dir))
         seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
     return {
         "seconds": seconds,

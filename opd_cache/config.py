@@ -13,7 +13,6 @@ turns its report into one line per problem).
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,15 +28,6 @@ class ConfigError(ValueError):
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-def _stage_max_staleness(overrides: str, deprecated: str = "deprecated"):
-    """A stage's own max_staleness key: deprecated for the top-level `Config.max_staleness` (load_config warns)."""
-    return Field(
-        DEFAULT_MAX_STALENESS,
-        ge=0,
-        description=f"{deprecated}, use the top-level max_staleness; overrides it for {overrides}",
-    )
 
 
 class StoreConfig(Section):
@@ -97,7 +87,6 @@ class RolloutConfig(Section):
     seed: int = Field(0, description="seed of the prompt order and of sampling")
     follow: bool = Field(False, description="keep running until the trainer's DONE marker")
     max_buffer_samples: int = Field(4096, ge=1, description="pause while the unconsumed backlog is larger")
-    max_staleness: int = _stage_max_staleness("rollout (pauses while its policy is further behind)")
     poll_seconds: float = Field(
         1.0, gt=0, description="wait between store checks (new policy, backlog); each is a LIST on S3"
     )
@@ -155,7 +144,6 @@ class AnnotateConfig(Section):
         None, description="teacher of the rows whose routing-key value is not in routing"
     )
     follow: bool = Field(False, description="keep annotating new shards until the trainer's train/DONE marker")
-    max_staleness: int = _stage_max_staleness("annotate (skips shards the trainer cannot use)")
     poll_seconds: float = Field(
         1.0, gt=0, description="wait between listings of new rollout shards; each is a LIST on S3"
     )
@@ -181,9 +169,6 @@ class TrainConfig(Section):
     beta: float = Field(0.5, ge=0, le=1, description="JSD mixture weight (0 = forward KL, 1 = reverse KL)")
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     max_steps: int = Field(100, ge=1, description="optimizer steps to train in total")
-    max_staleness: int = _stage_max_staleness(
-        "the trainer (`opd train --max-staleness`)", deprecated="deprecated in a file"
-    )
     publish_every: int = Field(1, ge=1, description="publish a policy version every N steps")
     save_every: int = Field(10, ge=1, description="write a resume state every N steps")
     global_batch_samples: int | None = Field(64, ge=1, description="rows per optimizer step")
@@ -298,9 +283,6 @@ class RunConfig(Section):
     drain_seconds: float = Field(60.0, ge=0, description="after training: time for the evaluator to finish")
 
 
-STAGES_WITH_STALENESS = ("rollout", "annotate", "train")
-
-
 class StageResources(Section):
     """What one worker of a stage asks Ray for (`opd run --launcher ray`)."""
 
@@ -329,6 +311,8 @@ class RayConfig(Section):
 
 
 class Config(Section):
+    """The whole configuration: the keys every stage reads, then one section per stage (and the launchers')."""
+
     max_staleness: int = Field(
         DEFAULT_MAX_STALENESS,
         ge=0,
@@ -343,21 +327,6 @@ class Config(Section):
     run: RunConfig = RunConfig()
     ray: RayConfig = RayConfig()
 
-    @model_validator(mode="after")
-    def _one_max_staleness(self):
-        """Each stage section carries the bound it applies: the top-level one, unless the section sets its own
-        (the deprecated per-stage keys). As before, annotate follows the trainer's `train.max_staleness`."""
-        home_given = "max_staleness" in self.model_fields_set
-        for name in STAGES_WITH_STALENESS:
-            section = getattr(self, name)
-            if "max_staleness" in section.model_fields_set:
-                continue
-            value = self.max_staleness
-            if name == "annotate" and not home_given and "max_staleness" in self.train.model_fields_set:
-                value = self.train.max_staleness
-            object.__setattr__(section, "max_staleness", value)
-        return self
-
 
 def parse_set(assignment: str) -> tuple[str, Any]:
     """`train.lr=3e-4` -> ("train.lr", 0.0003); the value is parsed as YAML (numbers, bools, lists)."""
@@ -371,11 +340,6 @@ def parse_set(assignment: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def _section(tree: dict, name: str) -> dict:
-    section = tree.get(name)
-    return section if isinstance(section, dict) else {}
-
-
 def _assign(tree: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
@@ -385,6 +349,31 @@ def _assign(tree: dict, dotted: str, value: Any) -> None:
             raise ConfigError(f"config key {dotted!r}: {part!r} is a value, not a section")
         node = child
     node[parts[-1]] = value
+
+
+# Keys of earlier releases that now fail with a message naming their replacement (after a release of deprecation).
+RETIRED_KEYS = {
+    "rollout.max_staleness": "max_staleness",
+    "annotate.max_staleness": "max_staleness",
+    "train.max_staleness": "max_staleness",
+}
+
+
+def _leaf_keys(tree: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for name, value in tree.items():
+        key = f"{prefix}{name}"
+        keys += _leaf_keys(value, f"{key}.") if isinstance(value, dict) else [key]
+    return keys
+
+
+def _refuse_retired_keys(keys: list[str], source: str) -> None:
+    for key in keys:
+        if key in RETIRED_KEYS:
+            raise ConfigError(
+                f"{source}: config key {key!r} was retired; set the top-level {RETIRED_KEYS[key]} instead "
+                f"(one bound for rollout, annotate and train)"
+            )
 
 
 def load_config(
@@ -411,32 +400,20 @@ def load_config(
             raise ConfigError(f"--config {path}: not valid YAML{at}: {problem}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config {path}: expected a mapping of sections, got {type(loaded).__name__}")
+        _refuse_retired_keys(_leaf_keys(loaded), f"--config {path}")
         tree = loaded
-    # `annotate.max_staleness: null` meant "follow the trainer" before the one top-level bound: still accepted
-    if _section(tree, "annotate").get("max_staleness", 0) is None:
-        del tree["annotate"]["max_staleness"]
-    # the per-stage max_staleness keys of the file and of --set (a stage flag such as `opd train --max-staleness`
-    # sets one too, and is no deprecated spelling)
-    deprecated = [f"{name}.max_staleness" for name in STAGES_WITH_STALENESS if "max_staleness" in _section(tree, name)]
     for key, value in (overrides or {}).items():
         if value is not None:
+            _refuse_retired_keys([key], "overrides")
             _assign(tree, key, value)
     for assignment in sets or []:
         key, value = parse_set(assignment)
+        _refuse_retired_keys([key], f"--set {assignment}")
         _assign(tree, key, value)
-        if key.endswith(".max_staleness") and key.split(".")[0] in STAGES_WITH_STALENESS:
-            deprecated.append(key)
     try:
-        cfg = Config.model_validate(tree)
+        return Config.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, source=str(path) if path else None)) from None
-    for key in dict.fromkeys(deprecated):
-        print(
-            f"warning: config key {key!r} is deprecated: set the top-level max_staleness (one bound for rollout, "
-            f"annotate and train); {key} still overrides it for that stage",
-            file=sys.stderr,
-        )
-    return cfg
 
 
 def format_validation_error(error: ValidationError, source: str | None = None) -> str:

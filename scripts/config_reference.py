@@ -26,8 +26,9 @@ message naming the key, the value and what was expected. Example: `examples/arit
 Every key is also a flag of the commands that read its section, with the meaning below as its help:
 a key of the command's own section is spelled without the section, dots and underscores as dashes
 (`rollout.flush_rows` is `opd rollout --flush-rows`, `rollout.sampling.top_p` is `--sampling-top-p`), a key
-of another section keeps it (`store.s3_endpoint` is `--store-s3-endpoint`, `train.lr` is `opd run --train-lr`).
-Booleans take `--key/--no-key`; lists, tuples and mappings take a YAML value as `--set` does
+of another section keeps it (`store.s3_endpoint` is `--store-s3-endpoint`, `train.lr` is `opd run --train-lr`),
+and a top-level key has no section (`max_staleness` is `--max-staleness` of `opd rollout`, `annotate`, `train`
+and `run`). Booleans take `--key/--no-key`; lists, tuples and mappings take a YAML value as `--set` does
 (`--betas "[0.9, 0.95]"`). A few short flags are kept as aliases (`--store` for `store.uri`, `--temperature`,
 `--top-p`, `--max-new-tokens` for `opd rollout`'s sampling keys, `--sample` for `opd eval --no-greedy`).
 `opd <command> --print-config` prints the resolved configuration (defaults, file, flags, `--set`) and exits.
@@ -75,7 +76,9 @@ def render() -> str:
     top_level = section_rows(Config, "", scalars_only=True)  # keys outside the sections (max_staleness)
     if top_level:
         parts.append(
-            "\n## top level\n\nKeys every stage reads.\n\n| key | type | default | range | meaning |\n|---|---|---|---|---|"
+            "\n## top level\n\nKeys every stage reads (the per-stage `rollout.max_staleness`, `annotate.max_staleness` "
+            "and `train.max_staleness` of earlier releases are refused, naming this one).\n\n"
+            "| key | type | default | range | meaning |\n|---|---|---|---|---|"
         )
         parts.append("\n".join(top_level))
     for name, field in Config.model_fields.items():

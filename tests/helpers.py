@@ -24,13 +24,15 @@ def tiny_run_config(
     batch: int,
     evaluate: bool = False,
     poll_seconds: float | None = None,
+    max_staleness: int | None = None,
     **sections: dict,
 ) -> dict:
     """The tiny `opd run` of the tests: the shipped demo models on the arithmetic task, `steps` optimizer steps of
     `batch` samples, one shard per batch, at most three batches ahead, a version every 2 steps.
 
     `evaluate`: also an evaluator on 16 held-out prompts. `poll_seconds`: how often rollout, annotate and the
-    trainer look at the store while they follow it (default: each stage's own). `sections`: keys that replace or add to a section's
+    trainer look at the store while they follow it (default: each stage's own). `max_staleness`: the top-level
+    bound (default: the configuration's). `sections`: keys that replace or add to a section's
     (one level: `rollout={"sampling": {...}}` replaces the whole `sampling`), e.g. `train={"save_every": 3}`.
     """
     config = {
@@ -54,6 +56,8 @@ def tiny_run_config(
             "max_prompts": 16,
             "max_new_tokens": 10,
         }
+    if max_staleness is not None:
+        config["max_staleness"] = max_staleness
     if poll_seconds is not None:
         for stage in ("rollout", "annotate", "train"):
             config[stage]["poll_seconds"] = poll_seconds

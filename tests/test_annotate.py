@@ -24,8 +24,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from opd_cache.annotate import Annotator, annotate, shard_owner
-from opd_cache.config import AnnotateConfig, load_config
+from opd_cache.annotate import Annotator, run_annotate, shard_owner
+from opd_cache.config import AnnotateConfig, Config, load_config
 from opd_cache.models import build_tiny_model, load_causal_lm, save_causal_lm
 from opd_cache.storage import layout
 from opd_cache.storage.schema import (
@@ -41,6 +41,7 @@ from opd_cache.storage.store import StoreError, make_shard_id
 from opd_cache.testing import write_rollout_shard
 from opd_cache.tokenizer import load_tokenizer
 from tests.conftest import REPO, write_random_rollout_shard
+from tests.helpers import InThread
 
 VOCAB = 99  # the shipped tokenizer
 
@@ -78,8 +79,10 @@ def write_shards(store, count: int, version: int = 0, worker: str = "w00", **kwa
     return ids
 
 
-def config(teacher, **kwargs) -> AnnotateConfig:
-    return AnnotateConfig(teacher=str(teacher), **kwargs)
+def config(teacher, max_staleness: int | None = None, **kwargs) -> Config:
+    """A configuration whose annotate section scores with `teacher` (`kwargs`: more annotate keys)."""
+    top_level = {} if max_staleness is None else {"max_staleness": max_staleness}
+    return Config(annotate=AnnotateConfig(teacher=str(teacher), **kwargs), **top_level)
 
 
 def read_part(store, shard_id: str, teacher: str = "teacher"):
@@ -103,7 +106,7 @@ def direct(model, prompt, response):
 def test_annotations_equal_direct_computation(store, teacher_path, dtype):
     k = 6
     (shard_id,) = write_shards(store, 1, num_rows=8, max_response=12, student_topk=3)
-    stats = annotate(store, config(teacher_path, top_k=k, dtype=dtype, max_tokens_per_batch=40), progress=False)
+    stats = run_annotate(config(teacher_path, top_k=k, dtype=dtype, max_tokens_per_batch=40), store)
     assert stats.annotated == [shard_id] and stats.tokens > 0
 
     rollout, _ = read_shard(store, layout.rollout_path(shard_id), kind=ROLLOUT)
@@ -154,16 +157,16 @@ def test_annotations_equal_direct_computation(store, teacher_path, dtype):
 
 def test_token_budget_does_not_change_outputs_and_rerun_is_bitwise_identical(store, teacher_path):
     shard_ids = write_shards(store, 2, num_rows=10, max_response=12)
-    annotate(store, config(teacher_path, top_k=5, max_tokens_per_batch=10_000), progress=False)
+    run_annotate(config(teacher_path, top_k=5, max_tokens_per_batch=10_000), store)
     first = {s: store.read_bytes(layout.annotated_path(s, "teacher")) for s in shard_ids}
     tables = {s: read_part(store, s)[0] for s in shard_ids}
 
     # nothing pending: a rerun writes nothing
-    assert annotate(store, config(teacher_path, top_k=5), progress=False).annotated == []
+    assert run_annotate(config(teacher_path, top_k=5), store).annotated == []
 
     for budget in (7, 10_000):
         store.delete_dir("annotated")
-        annotate(store, config(teacher_path, top_k=5, max_tokens_per_batch=budget), progress=False)
+        run_annotate(config(teacher_path, top_k=5, max_tokens_per_batch=budget), store)
         for s in shard_ids:
             again, _ = read_part(store, s)
             assert again["sample_id"].equals(tables[s]["sample_id"])
@@ -179,16 +182,13 @@ def test_token_budget_does_not_change_outputs_and_rerun_is_bitwise_identical(sto
 def test_two_workers_annotate_every_shard_exactly_once(store, teacher_path):
     shard_ids = write_shards(store, 10, num_rows=3)
     assert {shard_owner(s, 2) for s in shard_ids} == {0, 1}  # both workers have work
-    stats = [
-        annotate(store, config(teacher_path, top_k=4, worker_index=i, num_workers=2), progress=False) for i in (0, 1)
-    ]
+    stats = [run_annotate(config(teacher_path, top_k=4, worker_index=i, num_workers=2), store) for i in (0, 1)]
     assert set(stats[0].annotated).isdisjoint(stats[1].annotated)
     assert sorted(stats[0].annotated + stats[1].annotated) == shard_ids
     assert all(shard_owner(s, 2) == i for i in (0, 1) for s in stats[i].annotated)
     assert store.shards.annotated_parts() == {s: {"teacher"} for s in shard_ids}
     assert [
-        annotate(store, config(teacher_path, top_k=4, worker_index=i, num_workers=2), progress=False).annotated
-        for i in (0, 1)
+        run_annotate(config(teacher_path, top_k=4, worker_index=i, num_workers=2), store).annotated for i in (0, 1)
     ] == [[], []]
     assert shard_owner("v000001-w03-000042", 7) == 1  # crc32 (not the salted hash()): the same on every machine
 
@@ -211,7 +211,7 @@ def test_sigkilled_worker_restarted_leaves_no_partial_or_duplicate_part(store, t
     assert 0 < len(done_at_kill) < len(shard_ids)
 
     # restart with the same settings: finishes the rest, rewrites nothing
-    stats = annotate(store, config(teacher_path, top_k=4, max_tokens_per_batch=32), progress=False)
+    stats = run_annotate(config(teacher_path, top_k=4, max_tokens_per_batch=32), store)
     assert sorted(stats.annotated) == sorted(set(shard_ids) - set(done_at_kill))
     assert store.shards.annotated_parts() == {s: {"teacher"} for s in shard_ids}
     annotated_dir = Path(store.uri) / "annotated"
@@ -226,7 +226,7 @@ def test_sigkilled_worker_restarted_leaves_no_partial_or_duplicate_part(store, t
     killed_part = sorted(done_at_kill)[0]
     before, _ = read_part(store, killed_part)
     store.delete(layout.annotated_path(killed_part, "teacher"))
-    annotate(store, config(teacher_path, top_k=4, max_tokens_per_batch=32), progress=False)
+    run_annotate(config(teacher_path, top_k=4, max_tokens_per_batch=32), store)
     after, _ = read_part(store, killed_part)
     assert after["teacher_topk_ids"].equals(before["teacher_topk_ids"])
     np.testing.assert_allclose(
@@ -240,24 +240,24 @@ def test_stale_shards_are_skipped_and_counted(store, teacher_path, tmp_path):
     (tmp_path / "policy").mkdir()
     (tmp_path / "policy" / "config.json").write_text("{}")
     store.publish_policy(3, tmp_path / "policy")
-    stats = annotate(store, config(teacher_path, top_k=4, max_staleness=1), progress=False)
+    stats = run_annotate(config(teacher_path, top_k=4, max_staleness=1), store)
     assert sorted(stats.skipped_stale) == ["v000000-w00-000000", "v000001-w00-000000"]
     assert sorted(stats.annotated) == ["v000002-w00-000000", "v000003-w00-000000"]
     # the bound is the configuration's one max_staleness (the top-level key, default 2); a trainer's value that
     # an earlier version left in run.json is not read back
     store.delete_dir("annotated")
     store.write_json("run.json", {**store.read_json("run.json"), "max_staleness": 0})
-    cfg = load_config(overrides={"annotate.teacher": str(teacher_path)}, sets=["max_staleness=1"]).annotate
-    stats = annotate(store, cfg, progress=False)
+    cfg = load_config(overrides={"annotate.teacher": str(teacher_path)}, sets=["max_staleness=1"])
+    stats = run_annotate(cfg, store)
     assert sorted(stats.annotated) == ["v000002-w00-000000", "v000003-w00-000000"]
     store.delete_dir("annotated")
-    stats = annotate(store, config(teacher_path, top_k=4), progress=False)
+    stats = run_annotate(config(teacher_path, top_k=4), store)
     assert stats.skipped_stale == ["v000000-w00-000000"] and len(stats.annotated) == 3
 
 
 def test_follow_annotates_new_shards_until_done(store, teacher_path):
     write_shards(store, 1, num_rows=2)
-    annotator = Annotator(store, config(teacher_path, top_k=4, follow=True, poll_seconds=0.05), progress=False)
+    annotator = Annotator(config(teacher_path, top_k=4, follow=True, poll_seconds=0.05), store, progress=False)
     thread = threading.Thread(target=annotator.run, daemon=True)
     thread.start()
     late = make_shard_id(0, "w01", 0)  # polls list versions up to LATEST (0 here): a run writes no newer shard
@@ -270,6 +270,41 @@ def test_follow_annotates_new_shards_until_done(store, teacher_path):
     thread.join(timeout=30)
     assert not thread.is_alive()
     assert sorted(annotator.stats.annotated) == ["v000000-w00-000000", late]
+
+
+def test_stop_ends_a_following_annotator(store, teacher_path):
+    """`run_annotate(..., stop=event)`: a following worker returns when the event is set, without train/DONE."""
+    write_shards(store, 1, num_rows=2)
+    stop = threading.Event()
+    worker = InThread(
+        lambda: run_annotate(config(teacher_path, top_k=4, follow=True, poll_seconds=0.05), store, stop=stop)
+    )
+    worker.wait_until(lambda: store.shards.annotated_parts(), "the first part")
+    time.sleep(0.2)  # following: polling for more shards
+    stop.set()
+    stats = worker.join()
+    assert stats.annotated == ["v000000-w00-000000"] and not store.is_done()
+
+
+def test_an_engine_is_a_registry_entry_and_an_unknown_one_is_one_line(tokenizer, monkeypatch):
+    from opd_cache.annotate import engines as annotate_engines
+    from opd_cache.config import RolloutConfig
+    from opd_cache.rollout import engines as rollout_engines
+
+    with pytest.raises(ValueError, match=r"^--engine 'tgi': no such rollout engine; use one of hf, vllm$"):
+        rollout_engines.make_engine(RolloutConfig().model_copy(update={"engine": "tgi"}), "m", tokenizer)
+    with pytest.raises(ValueError, match=r"^--engine 'tgi': no such annotate engine; use one of hf, vllm$"):
+        annotate_engines.make_scorer(AnnotateConfig(teacher="t").model_copy(update={"engine": "tgi"}), 4, 10)
+    # a new back-end is one more entry: its builder gets the section, and what it returns is the engine
+    built = {}
+    monkeypatch.setitem(rollout_engines.GENERATORS, "tgi", lambda cfg, path, tok: built.setdefault("g", (cfg, path)))
+    monkeypatch.setitem(annotate_engines.SCORERS, "tgi", lambda cfg, k, vocab: built.setdefault("s", (k, vocab)))
+    cfg = RolloutConfig().model_copy(update={"engine": "tgi"})
+    assert rollout_engines.make_engine(cfg, "m", tokenizer) == (cfg, "m")
+    assert annotate_engines.make_scorer(AnnotateConfig(teacher="t").model_copy(update={"engine": "tgi"}), 4, 10) == (
+        4,
+        10,
+    )
 
 
 # ---------------------------------------------------------------- routing
@@ -296,15 +331,14 @@ def test_routing_sends_each_row_to_its_teacher(store, tiny_model_factory):
     write_routed_shard(store, mixed, ["math", "code", "math", None, "poetry", "code"])
     write_routed_shard(store, only_math, ["math", "math"])
     routing = {"math": "tA", "code": "tB"}
-    a = annotate(
-        store,
+    a = run_annotate(
         config(
             tiny_model_factory("teacher", seed=1), top_k=4, teacher_name="tA", routing=routing, default_teacher="tB"
         ),
-        progress=False,
+        store,
     )
     # the second teacher's job adopts the routing recorded in run.json
-    b = annotate(store, config(tiny_model_factory("teacher", seed=2), top_k=4, teacher_name="tB"), progress=False)
+    b = run_annotate(config(tiny_model_factory("teacher", seed=2), top_k=4, teacher_name="tB"), store)
     assert sorted(a.annotated) == sorted(b.annotated) == [mixed, only_math]
 
     run = store.manifest.require()
@@ -317,27 +351,27 @@ def test_routing_sends_each_row_to_its_teacher(store, tiny_model_factory):
 
     with pytest.raises(StoreError, match="routing is .* in this store but"):
         Annotator(
-            store,
             config(tiny_model_factory("teacher", seed=1), teacher_name="tA", routing={"math": "tB"}),
+            store,
             progress=False,
         )
     with pytest.raises(ValueError, match="the routing in run.json sends no rows to it"):
-        Annotator(store, config(tiny_model_factory("teacher", seed=1), teacher_name="tC"), progress=False)
+        Annotator(config(tiny_model_factory("teacher", seed=1), teacher_name="tC"), store, progress=False)
 
 
 def test_run_json_contradictions_fail_before_any_work(store, teacher_path, tiny_model_factory):
     write_shards(store, 1)
     run_json = store.read_bytes("run.json")
-    annotate(store, config(teacher_path, top_k=4), progress=False)
+    run_annotate(config(teacher_path, top_k=4), store)
     # the teacher is recorded in its own create-if-absent object; run.json is not rewritten
     assert store.read_bytes("run.json") == run_json
     record = json.loads(store.read_bytes("run/teachers/teacher.json"))
     assert record["model"] == str(teacher_path) and record["top_k"] == 4 and record["codec"] == "none"
     with pytest.raises(StoreError, match="top_k is 4 in this store but 8 was given"):
-        Annotator(store, config(teacher_path, top_k=8), progress=False)
+        Annotator(config(teacher_path, top_k=8), store, progress=False)
     with pytest.raises(StoreError, match="teacher 'teacher' is .* use another --teacher-name"):
-        Annotator(store, config(tiny_model_factory("teacher", seed=2)), progress=False)
-    assert Annotator(store, config(teacher_path), progress=False).top_k == 4  # no --top-k: the store's value
+        Annotator(config(tiny_model_factory("teacher", seed=2)), store, progress=False)
+    assert Annotator(config(teacher_path), store, progress=False).top_k == 4  # no --top-k: the store's value
 
 
 def test_a_store_with_its_teachers_in_run_json_is_annotated_as_before(store, teacher_path, tiny_model_factory):
@@ -347,8 +381,8 @@ def test_a_store_with_its_teachers_in_run_json_is_annotated_as_before(store, tea
         "run.json", {**store.read_json("run.json"), "teachers": {"teacher": str(teacher_path)}, "top_k": 4}
     )
     with pytest.raises(StoreError, match=r"run\.json: teacher 'teacher' is .* use another --teacher-name"):
-        Annotator(store, config(tiny_model_factory("teacher", seed=2)), progress=False)
-    stats = annotate(store, config(teacher_path), progress=False)  # no --top-k: run.json's
+        Annotator(config(tiny_model_factory("teacher", seed=2)), store, progress=False)
+    stats = run_annotate(config(teacher_path), store)  # no --top-k: run.json's
     assert stats.annotated == [shard_id] and read_part(store, shard_id)[1].top_k == 4
     assert store.manifest.require().required_teachers() == ["teacher"]
 
@@ -369,7 +403,7 @@ def test_tokenizer_mismatch_names_both_models_and_the_first_differing_token(stor
     low = min(vocab["a"], vocab["b"])
     student = store.manifest.require()["student"]
     with pytest.raises(ValueError) as err:
-        Annotator(store, config(teacher), progress=False)
+        Annotator(config(teacher), store, progress=False)
     message = str(err.value)
     assert str(teacher) in message and student in message
     assert f"id {low} is" in message and "'a'" in message and "'b'" in message
@@ -380,7 +414,7 @@ def test_top_k_larger_than_the_vocabulary_is_refused(store, teacher_path):
     with pytest.raises(
         ValueError, match=rf"--top-k 100 is larger than the vocabulary of teacher .* \({VOCAB} tokens\)"
     ):
-        Annotator(store, config(teacher_path, top_k=100), progress=False)
+        Annotator(config(teacher_path, top_k=100), store, progress=False)
     assert "top_k" not in store.manifest.require()
 
 
@@ -389,7 +423,7 @@ def test_corrupt_rollout_shard_is_quarantined_and_the_worker_goes_on(store, teac
     bad = layout.rollout_path(shard_ids[1])
     data = store.read_bytes(bad)
     store.write_bytes(bad, data[: len(data) // 2])  # truncated
-    stats = annotate(store, config(teacher_path, top_k=4), progress=False)
+    stats = run_annotate(config(teacher_path, top_k=4), store)
     assert stats.quarantined == [shard_ids[1]]
     assert stats.annotated == [shard_ids[0], shard_ids[2]]
     assert not store.exists(bad)
@@ -406,7 +440,7 @@ def test_token_ids_outside_the_vocabulary_are_quarantined(store, teacher_path):
     huge = pa.array([[5, 200]] + [[1]] * (rollout.num_rows - 1), pa.list_(pa.int32()))  # a valid shard, bad ids
     column = rollout.schema.get_field_index("prompt_ids")
     write_shard(store, layout.rollout_path(shard_id), rollout.set_column(column, "prompt_ids", huge), meta)
-    stats = annotate(store, config(teacher_path, top_k=4), progress=False)
+    stats = run_annotate(config(teacher_path, top_k=4), store)
     assert stats.quarantined == [shard_id]
     assert "column 'prompt_ids' holds token id 200, outside the vocabulary 0..98" in next(
         iter(store.list_quarantine().values())
@@ -448,13 +482,15 @@ def test_progress_display_shows_shards_tokens_per_second_and_backlog(store, teac
     write_shards(store, 2, num_rows=2)
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, color_system=None, width=120)
-    stats = annotate(store, config(teacher_path, top_k=4), console=console, progress=True)
+    stats = Annotator(config(teacher_path, top_k=4), store, console=console, progress=True).run()
     assert len(stats.annotated) == 2
     text = out.getvalue()
     assert "annotate teacher" in text and "2/2 shards" in text and "tok/s" in text and "backlog 0" in text
     plain = io.StringIO()  # not a terminal (the log file of `opd run`): a plain line every ~10 s, no bar
-    annotate(store, config(teacher_path, top_k=4, teacher_name="second"), console=Console(file=plain), progress=None)
+    run_annotate(config(teacher_path, top_k=4, teacher_name="second"), store, console=Console(file=plain))
     assert plain.getvalue() == "annotate second: 0 shards, 0 rows, 0 tok/s, 2 pending\n"
     silent = io.StringIO()  # progress=False (library use): nothing
-    annotate(store, config(teacher_path, top_k=4, teacher_name="third"), console=Console(file=silent), progress=False)
+    Annotator(
+        config(teacher_path, top_k=4, teacher_name="third"), store, console=Console(file=silent), progress=False
+    ).run()
     assert silent.getvalue() == ""

@@ -172,7 +172,12 @@ REFUSED_FLAGS = {
     ),
     "negative_staleness": (
         ["train", "--max-staleness", "-1"],
-        "invalid configuration: config key 'train.max_staleness' = -1: Input should be greater than or equal to 0",
+        "invalid configuration: config key 'max_staleness' = -1: Input should be greater than or equal to 0",
+    ),
+    "retired_stage_staleness": (
+        ["train", "--set", "train.max_staleness=1"],
+        "--set train.max_staleness=1: config key 'train.max_staleness' was retired; set the top-level "
+        "max_staleness instead (one bound for rollout, annotate and train)",
     ),
     "unknown_loss": (
         ["train", "--loss", "kl_forward"],

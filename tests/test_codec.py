@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from opd_cache.annotate import annotate
-from opd_cache.config import AnnotateConfig
+from opd_cache.annotate import run_annotate
+from opd_cache.config import AnnotateConfig, Config
 from opd_cache.losses import LossConfig, token_losses
 from opd_cache.models import build_tiny_model, load_causal_lm
 from opd_cache.storage import codec, idpack, layout, quantize, schema
@@ -324,11 +324,11 @@ def test_annotate_with_codec_packed_writes_columns_that_decode_to_the_plain_anno
         run=student_store.manifest.require(),
     )
     part = layout.annotated_path(shard_id, "teacher")
-    annotate(student_store, AnnotateConfig(teacher=str(teacher), top_k=8), progress=False)
+    run_annotate(Config(annotate=AnnotateConfig(teacher=str(teacher), top_k=8)), student_store)
     plain, _ = read_shard(student_store, part)
     plain_bytes = student_store.fs.get_file_info(student_store.path(part)).size
     student_store.fs.delete_file(student_store.path(part))
-    annotate(student_store, AnnotateConfig(teacher=str(teacher), top_k=8, codec="packed"), progress=False)
+    run_annotate(Config(annotate=AnnotateConfig(teacher=str(teacher), top_k=8, codec="packed")), student_store)
 
     raw = pa.ipc.open_stream(pa.BufferReader(student_store.read_buffer(part))).read_all()  # the bytes as stored
     assert "ids_packed" in children(raw) and "teacher_topk_ids" not in raw.schema.names

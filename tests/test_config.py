@@ -45,9 +45,9 @@ def test_wrong_types_and_ranges_name_key_value_and_expectation():
     with pytest.raises(ConfigError, match=r"config key 'rollout.n' = 'many': Input should be a valid integer"):
         load_config(sets=["rollout.n=many"])
     with pytest.raises(
-        ConfigError, match=r"config key 'train.max_staleness' = -1: Input should be greater than or equal to 0"
+        ConfigError, match=r"config key 'max_staleness' = -1: Input should be greater than or equal to 0"
     ):
-        load_config(sets=["train.max_staleness=-1"])
+        load_config(sets=["max_staleness=-1"])
     with pytest.raises(
         ConfigError, match=r"config key 'train.tail' = 'tails': Input should be 'bucket', 'renorm' or 'none'"
     ):

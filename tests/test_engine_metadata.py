@@ -9,8 +9,8 @@ import numpy as np
 import torch
 import transformers
 
-from opd_cache.annotate import annotate
-from opd_cache.config import AnnotateConfig, RolloutConfig, SamplingConfig
+from opd_cache.annotate import run_annotate
+from opd_cache.config import AnnotateConfig, Config, RolloutConfig, SamplingConfig
 from opd_cache.rollout import run_rollout
 from opd_cache.storage import layout
 from opd_cache.storage.schema import ANNOTATED, ROLLOUT, read_shard
@@ -25,17 +25,21 @@ def test_rollout_and_annotate_shards_name_their_engine_and_dtype(tiny_model_fact
         student, teacher = tiny_model_factory("student"), tiny_model_factory("teacher", seed=1)
         prompts = write_prompts(tmp_path / "p.jsonl", questions(2))
         run_rollout(
-            RolloutConfig(
-                student=str(student),
-                prompts=str(prompts),
-                n=2,
-                max_samples=4,
-                flush_rows=4,
-                sampling=SamplingConfig(max_new_tokens=4),
+            Config(
+                rollout=RolloutConfig(
+                    student=str(student),
+                    prompts=str(prompts),
+                    n=2,
+                    max_samples=4,
+                    flush_rows=4,
+                    sampling=SamplingConfig(max_new_tokens=4),
+                )
             ),
             local_store,
         )
-        annotate(local_store, AnnotateConfig(teacher=str(teacher), top_k=4, model_dtype="bfloat16"), progress=False)
+        run_annotate(
+            Config(annotate=AnnotateConfig(teacher=str(teacher), top_k=4, model_dtype="bfloat16")), local_store
+        )
     finally:
         torch.set_num_threads(threads)
     (info,) = local_store.shards.rollouts()

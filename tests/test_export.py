@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from opd_cache.annotate import annotate
-from opd_cache.config import AnnotateConfig
+from opd_cache.annotate import run_annotate
+from opd_cache.config import AnnotateConfig, Config
 from opd_cache.storage import layout
 from opd_cache.storage.schema import ANNOTATED, ROLLOUT, read_shard, rollout_table
 from opd_cache.storage.store import Store, make_shard_id
@@ -45,22 +45,16 @@ def annotated_store(tmp_path_factory, tiny_model_factory, tokenizer) -> Store:
         for n, (shard_id, sources) in enumerate(SOURCES.items()):
             write_rollout(store, run, shard_id, sources, seed=n)
         routing = {"math": "tA"}
-        annotate(
-            store,
-            AnnotateConfig(
-                teacher=str(tiny_model_factory("teacher", seed=1)),
-                top_k=4,
-                teacher_name="tA",
-                routing=routing,
-                default_teacher="tB",
-            ),
-            progress=False,
+        teacher_a = AnnotateConfig(
+            teacher=str(tiny_model_factory("teacher", seed=1)),
+            top_k=4,
+            teacher_name="tA",
+            routing=routing,
+            default_teacher="tB",
         )
-        annotate(
-            store,
-            AnnotateConfig(teacher=str(tiny_model_factory("teacher", seed=2)), top_k=4, teacher_name="tB"),
-            progress=False,
-        )
+        run_annotate(Config(annotate=teacher_a), store)
+        teacher_b = AnnotateConfig(teacher=str(tiny_model_factory("teacher", seed=2)), top_k=4, teacher_name="tB")
+        run_annotate(Config(annotate=teacher_b), store)
     finally:
         torch.set_num_threads(threads)
     return store

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 import opd_cache.cli  # noqa: F401  (registers every command on `app`)
 from opd_cache.cli.common import app
-from opd_cache.config import AnnotateConfig
+from opd_cache.config import AnnotateConfig, Config
 from opd_cache.models import build_tiny_model, load_causal_lm, save_causal_lm
 from opd_cache.rollout.policy import CorruptPolicyError, PolicyFiles
 from opd_cache.storage import integrity, layout
@@ -28,7 +28,7 @@ from opd_cache.storage.schema import ROLLOUT, CorruptShardError, ShardMeta, read
 from opd_cache.storage.store import Store, make_shard_id
 from opd_cache.testing import write_synthetic_shard
 from opd_cache.tokenizer import tokenizer_fingerprint
-from opd_cache.train import train
+from opd_cache.train import run_train
 from opd_cache.train.checkpoint import complete_states, read_ledger, verify_ledger
 from tests.conftest import write_random_rollout_shard
 from tests.faults import damage_offsets, flip_bytes, truncate
@@ -207,7 +207,7 @@ def reference_weights(tmp_path_factory, tiny_model_factory, tokenizer, teacher_p
                 if missing.startswith("annotated")
                 else (missing, missing.replace("rollouts/", "annotated/").replace(".arrow", "/teacher.arrow")),
             )
-            train(config(store, max_steps=3, lr=3e-3))
+            run_train(config(store, max_steps=3, lr=3e-3), store)
             cache[missing] = final_weights(store)
         return cache[missing]
 
@@ -222,7 +222,7 @@ def test_damaged_annotated_part_is_quarantined_never_trained_and_rescored(
     shard_id = make_shard_id(0, "w00", 1)
     rel = layout.annotated_path(shard_id, "teacher")
     damage(store.local_path(rel), how, seed=DAMAGE.index(how))
-    result = train(config(store, max_steps=3, lr=3e-3))
+    result = run_train(config(store, max_steps=3, lr=3e-3), store)
     assert result.stopped == "no more admissible data" and result.trained_samples == 16  # the two intact shards
     assert_same_weights(final_weights(store), reference_weights(rel))  # as if the part never existed
     assert not store.exists(rel)
@@ -236,12 +236,14 @@ def test_damaged_annotated_part_is_quarantined_never_trained_and_rescored(
     if how != "middle":
         return
     # annotate re-scores the shard (its rollout shard is intact), and the trainer then trains it
-    from opd_cache.annotate import annotate
+    from opd_cache.annotate import run_annotate
 
-    stats = annotate(store, AnnotateConfig(teacher=str(teacher_path), teacher_name="teacher", top_k=K))
+    stats = run_annotate(
+        Config(annotate=AnnotateConfig(teacher=str(teacher_path), teacher_name="teacher", top_k=K)), store
+    )
     assert stats.annotated == [shard_id]
     read_shard(store, rel)
-    more = train(config(store, max_steps=4, lr=3e-3))
+    more = run_train(config(store, max_steps=4, lr=3e-3), store)
     assert more.trained_samples == 24
     assert verify_ledger(store)["duplicates"] == [] and verify_ledger(store)["trained"] == 24
 
@@ -254,7 +256,7 @@ def test_damaged_rollout_shard_is_quarantined_and_its_rows_counted_as_lost(
     shard_id = make_shard_id(0, "w00", 1)
     rel = layout.rollout_path(shard_id)
     damage(store.local_path(rel), how, seed=10 + DAMAGE.index(how))
-    result = train(config(store, max_steps=3, lr=3e-3))
+    result = run_train(config(store, max_steps=3, lr=3e-3), store)
     assert result.trained_samples == 16
     assert_same_weights(final_weights(store), reference_weights(rel))
     progress = store.read_progress()
@@ -272,7 +274,7 @@ def test_damaged_newest_resume_state_falls_back_to_the_previous_one(
     tmp_path, student_path, tokenizer, teacher_path, how, capsys
 ):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher_path)
-    train(config(store, max_steps=2, publish_every=1, save_every=1, keep_states=2, lr=3e-3))
+    run_train(config(store, max_steps=2, publish_every=1, save_every=1, keep_states=2, lr=3e-3), store)
     assert complete_states(store) == [1, 2]
     state = store.local_path("train/state/step-000002")
     victim = {"header": ".metadata", "middle": "__0_0.distcp", "footer": "trainer.json", "truncate": "__0_0.distcp"}[
@@ -280,13 +282,13 @@ def test_damaged_newest_resume_state_falls_back_to_the_previous_one(
     ]
     damage(state / victim, how, seed=20 + DAMAGE.index(how))
     capsys.readouterr()
-    train(config(store, max_steps=3, publish_every=1, save_every=1, keep_states=2, lr=3e-3))
+    run_train(config(store, max_steps=3, publish_every=1, save_every=1, keep_states=2, lr=3e-3), store)
     assert "warning: resume state step 2 is damaged (" in capsys.readouterr().err
     assert f"train__state__step-000002__{victim}" in store.list_quarantine()
     assert "failed its checksum (stored" in quarantine_reason(store, f"train/state/step-000002/{victim}")
 
     straight = make_store(tmp_path / "straight", student_path, tokenizer, teacher_path)
-    train(config(straight, max_steps=3, publish_every=1, save_every=1, keep_states=2, lr=3e-3))
+    run_train(config(straight, max_steps=3, publish_every=1, save_every=1, keep_states=2, lr=3e-3), straight)
     assert_same_weights(final_weights(store), final_weights(straight))  # resumed from step 1: nothing corrupt loaded
     assert read_ledger(store) == read_ledger(straight)
 
@@ -295,7 +297,7 @@ def test_damaged_newest_resume_state_falls_back_to_the_previous_one(
 @pytest.mark.parametrize("how", DAMAGE)
 def test_damaged_policy_version_is_never_loaded(tmp_path, student_path, tokenizer, teacher_path, how, capsys):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher_path)
-    train(config(store, max_steps=2, publish_every=1, save_every=1, lr=3e-3))
+    run_train(config(store, max_steps=2, publish_every=1, save_every=1, lr=3e-3), store)
     assert store.latest_version() == 2
     weights = store.local_path("policy/v000002/model.safetensors")
     v2 = final_weights(store)
@@ -316,7 +318,7 @@ def test_damaged_policy_version_is_never_loaded(tmp_path, student_path, tokenize
 
     # A trainer that resumes before version 2 publishes it again (the same weights: deterministic on CPU).
     store.delete("train/state/step-000002/_COMPLETE")
-    train(config(store, max_steps=3, publish_every=1, save_every=1, lr=3e-3))
+    run_train(config(store, max_steps=3, publish_every=1, save_every=1, lr=3e-3), store)
     assert policies.path(2) == str(store.local_path("policy/v000002"))
     with torch.no_grad():
         republished = load_causal_lm(store.local_path("policy/v000002")).state_dict()
@@ -325,24 +327,26 @@ def test_damaged_policy_version_is_never_loaded(tmp_path, student_path, tokenize
 
 
 def test_rollout_keeps_its_version_when_the_new_one_is_damaged(tmp_path, student_path, tokenizer, teacher_path):
-    from opd_cache.config import RolloutConfig, SamplingConfig
+    from opd_cache.config import Config, RolloutConfig, SamplingConfig
     from opd_cache.rollout import run_rollout
     from tests.test_rollout import questions, write_prompts
 
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher_path, shards=1)
-    train(config(store, max_steps=1, publish_every=1, lr=3e-3))
+    run_train(config(store, max_steps=1, publish_every=1, lr=3e-3), store)
     flip_bytes(store.local_path("policy/v000001/model.safetensors"), 200, count=4)
     prompts = write_prompts(tmp_path / "p.jsonl", questions(4))
     result = run_rollout(
-        RolloutConfig(
-            student=str(student_path),
-            prompts=str(prompts),
-            n=2,
-            worker_id="w01",
-            sampling=SamplingConfig(max_new_tokens=4),
-            flush_rows=4,
-            max_samples=4,
+        Config(
             max_staleness=5,
+            rollout=RolloutConfig(
+                student=str(student_path),
+                prompts=str(prompts),
+                n=2,
+                worker_id="w01",
+                sampling=SamplingConfig(max_new_tokens=4),
+                flush_rows=4,
+                max_samples=4,
+            ),
         ),
         store,
     )
@@ -353,7 +357,7 @@ def test_rollout_keeps_its_version_when_the_new_one_is_damaged(tmp_path, student
 # ------------------------------------------------------------------ opd verify
 def test_verify_reports_each_damaged_file_and_exits_non_zero(tmp_path, student_path, tokenizer, teacher_path):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher_path)
-    train(config(store, max_steps=2, publish_every=1, save_every=1, lr=3e-3))
+    run_train(config(store, max_steps=2, publish_every=1, save_every=1, lr=3e-3), store)
     clean = verify(store)
     assert clean.exit_code == 0, clean.output
     summary = " ".join(clean.output.split())
@@ -534,11 +538,11 @@ def test_resumed_trainer_loses_the_untrained_rows_of_a_damaged_shard_and_goes_on
     tmp_path, student_path, tokenizer, teacher_path
 ):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher_path)
-    train(config(store, max_steps=1, global_batch_samples=4, save_every=1, lr=3e-3))  # rows 0-3 of shard 0
+    run_train(config(store, max_steps=1, global_batch_samples=4, save_every=1, lr=3e-3), store)  # rows 0-3 of shard 0
     shard_id = make_shard_id(0, "w00", 0)
     rel = layout.rollout_path(shard_id)
     damage(store.local_path(rel), "middle", seed=30)
-    result = train(config(store, max_steps=6, global_batch_samples=4, save_every=1, lr=3e-3))
+    result = run_train(config(store, max_steps=6, global_batch_samples=4, save_every=1, lr=3e-3), store)
     assert result.trained_samples == 20  # 4 before the damage, then the two intact shards
     progress = store.read_progress()
     assert progress["lost_samples"] == 4 and progress["lost_shards"] == 1
@@ -555,7 +559,7 @@ def test_resumed_trainer_loses_the_untrained_rows_of_a_damaged_shard_and_goes_on
 def test_rollout_worker_quarantines_its_damaged_newest_shard_and_samples_its_prompts_again(
     tiny_model_factory, tmp_path, capsys
 ):
-    from opd_cache.config import RolloutConfig, SamplingConfig
+    from opd_cache.config import Config, RolloutConfig, SamplingConfig
     from opd_cache.observe.metrics import read_metrics
     from opd_cache.rollout import run_rollout
     from opd_cache.rollout.resume import resume_point
@@ -570,7 +574,9 @@ def test_rollout_worker_quarantines_its_damaged_newest_shard_and_samples_its_pro
         flush_rows=4,
         sampling=SamplingConfig(max_new_tokens=4),
     )
-    run_rollout(RolloutConfig(**cfg, max_samples=8), store)  # shards 0 and 1: 2 prompts each, cursor 2 and 4
+    run_rollout(
+        Config(rollout=RolloutConfig(**cfg, max_samples=8)), store
+    )  # shards 0 and 1: 2 prompts each, cursor 2 and 4
     run = store.manifest.require()
 
     def damage_shard(seq: int) -> tuple[str, Path, str]:
@@ -585,7 +591,9 @@ def test_rollout_worker_quarantines_its_damaged_newest_shard_and_samples_its_pro
     lost_prompts = read_shard(store, rel, kind=ROLLOUT, run=run)[0]["prompt_index"].to_pylist()
     rel, path, message = damage_shard(1)
     capsys.readouterr()
-    result = run_rollout(RolloutConfig(**cfg, max_samples=12), store)  # restarts: resumes from shard 0, goes on
+    result = run_rollout(
+        Config(rollout=RolloutConfig(**cfg, max_samples=12)), store
+    )  # restarts: resumes from shard 0, goes on
     assert message in capsys.readouterr().err.splitlines()
     assert result.shards == [make_shard_id(0, "w00", 2), make_shard_id(0, "w00", 3)]  # seq 1 is never used again
     again = read_shard(store, layout.rollout_path(result.shards[0]), kind=ROLLOUT, run=run)[0]

@@ -112,7 +112,7 @@ def test_a_restarted_worker_reclaims_its_own_lease_at_once(local_store):
 def test_three_lease_workers_annotate_every_shard_exactly_once(store, teacher_path):
     shard_ids = write_shards(store, 12, num_rows=4)
     workers = [
-        Annotator(store, config(teacher_path, top_k=4, worker_id=f"a{i}", lease_seconds=10), progress=False)
+        Annotator(config(teacher_path, top_k=4, worker_id=f"a{i}", lease_seconds=10), store, progress=False)
         for i in range(3)
     ]
     threads = [threading.Thread(target=w.run) for w in workers]
@@ -130,7 +130,7 @@ def test_three_lease_workers_annotate_every_shard_exactly_once(store, teacher_pa
 def test_static_split_still_takes_no_leases(store, teacher_path):
     write_shards(store, 4, num_rows=2)
     stats = [
-        Annotator(store, config(teacher_path, top_k=4, worker_index=i, num_workers=2), progress=False).run()
+        Annotator(config(teacher_path, top_k=4, worker_index=i, num_workers=2), store, progress=False).run()
         for i in (0, 1)
     ]
     assert len(stats[0].annotated) + len(stats[1].annotated) == 4
@@ -140,13 +140,12 @@ def test_static_split_still_takes_no_leases(store, teacher_path):
 FROZEN_WORKER = """
 import sys, time
 from opd_cache.annotate import Annotator
-from opd_cache.annotate.worker import make_scorer
-from opd_cache.config import AnnotateConfig
+from opd_cache.config import AnnotateConfig, Config
 from opd_cache.storage.store import Store
 
-cfg = AnnotateConfig(teacher=sys.argv[2], top_k=4, worker_id="frozen", lease_seconds=float(sys.argv[3]))
+cfg = Config(annotate=AnnotateConfig(teacher=sys.argv[2], top_k=4, worker_id="frozen", lease_seconds=float(sys.argv[3])))
 store = Store(sys.argv[1])
-annotator = Annotator(store, cfg, progress=False)
+annotator = Annotator(cfg, store, progress=False)
 score = annotator.scorer.score
 def slow_score(*args):  # a slow teacher: the test freezes this process while it scores
     time.sleep(1.0)
@@ -186,7 +185,7 @@ def test_a_frozen_lease_holder_is_taken_over_and_its_late_result_is_dropped(stor
         assert lease_files(store) == [f"{shard_ids[0]}.000000.json"], proc.stdout.read().decode()[-2000:]
         time.sleep(lease_seconds + 0.5)  # its lease expires: no renewal from a stopped process
 
-        taker = Annotator(store, config(teacher_path, top_k=4, worker_id="taker", lease_seconds=lease_seconds))
+        taker = Annotator(config(teacher_path, top_k=4, worker_id="taker", lease_seconds=lease_seconds), store)
         assert sorted(taker.run().annotated) == shard_ids  # the frozen one's shard included
         digests = {
             s: hashlib.sha256(store.read_bytes(layout.annotated_path(s, "teacher"))).hexdigest() for s in shard_ids
@@ -229,6 +228,6 @@ def test_an_interrupted_holder_releases_its_lease_at_once(store, teacher_path):
     assert lease_files(store) == []  # released, not left to expire
     assert not store.shards.annotated_parts()  # its shard was dropped, not half-published
     started = time.monotonic()
-    taker = Annotator(store, config(teacher_path, top_k=4, worker_id="taker", lease_seconds=60))
+    taker = Annotator(config(teacher_path, top_k=4, worker_id="taker", lease_seconds=60), store)
     assert sorted(taker.run().annotated) == shard_ids  # the interrupted one's shard included, no waiting
     assert time.monotonic() - started < 30

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from opd_cache.annotate import Annotator
 from opd_cache.cli import app
-from opd_cache.config import AnnotateConfig
+from opd_cache.config import AnnotateConfig, Config
 from opd_cache.rollout.pacing import BacklogGauge
 from opd_cache.storage import layout
 from opd_cache.storage.store import COMPLETE_MARKER, ShardTally, ShardWatch, Store, StoreError, make_shard_id
@@ -166,11 +166,11 @@ def test_a_polls_requests_do_not_grow_with_versions_outside_the_window(tmp_path,
             poll = lambda: stream.refresh(latest)  # noqa: E731
         elif stage == "annotate":
             annotator = Annotator(
+                Config(max_staleness=2, annotate=AnnotateConfig(teacher=str(tiny_model_factory("teacher")), top_k=4)),
                 store,
-                AnnotateConfig(teacher=str(tiny_model_factory("teacher")), top_k=4, max_staleness=2),
                 scorer=object(),
             )
-            poll = annotator.pending_shards
+            poll = annotator.selection.pending
         else:
             gauge = BacklogGauge(store, window=2)
             poll = gauge.backlog
@@ -229,16 +229,18 @@ def test_annotate_finds_the_unannotated_shards_of_its_window_and_of_the_sweep(tm
         student="student", tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=len(tokenizer)
     )
     annotator = Annotator(
-        store, AnnotateConfig(teacher=str(tiny_model_factory("teacher")), top_k=4, max_staleness=2), scorer=object()
+        Config(max_staleness=2, annotate=AnnotateConfig(teacher=str(tiny_model_factory("teacher")), top_k=4)),
+        store,
+        scorer=object(),
     )
-    assert ids_of(annotator.pending_shards()) == in_versions(ids, [58, 59])  # first poll: everything listed
+    assert ids_of(annotator.selection.pending()) == in_versions(ids, [58, 59])  # first poll: everything listed
     late = make_shard_id(5, "w09", 1)  # published late into version 5, never annotated
     placeholder(store, layout.rollout_path(late))
     for shard_id in in_versions(ids, [58]):
         placeholder(store, layout.annotated_path(shard_id, "teacher"))
     found_at = None
     for poll in range(1, 60):
-        pending = ids_of(annotator.pending_shards())
+        pending = ids_of(annotator.selection.pending())
         assert pending - {late} == in_versions(ids, [59]), poll
         if late in pending:
             found_at = poll

@@ -32,8 +32,9 @@ def paced_run_config(tmp_path: Path) -> Path:
         steps=STEPS,
         batch=BATCH,
         rollout={"batch_prompts": 2, "max_buffer_samples": STEPS * BATCH, "sampling": {"max_new_tokens": 8}},
+        max_staleness=2,
         annotate={"top_k": 4},
-        train={"save_every": 3, "max_staleness": 2},
+        train={"save_every": 3},
     )
     return write_config(tmp_path, config)
 
@@ -114,8 +115,8 @@ def test_demand_counts_every_workers_rows_and_ignores_consumed_and_expired_ones(
 def test_annotate_scores_only_what_the_remaining_steps_need_and_rescores_a_quarantined_part(
     student_store, tokenizer, tiny_model_factory
 ):
-    from opd_cache.annotate import annotate
-    from opd_cache.config import AnnotateConfig
+    from opd_cache.annotate import run_annotate
+    from opd_cache.config import AnnotateConfig, Config
 
     store, run = student_store, student_store.manifest.require()
     for seq in range(5):
@@ -126,28 +127,30 @@ def test_annotate_scores_only_what_the_remaining_steps_need_and_rescores_a_quara
     store.write_progress(
         {"samples_needed_total": 18, "trained_samples": 6, "consumed_samples": 6, "expired_samples": 0}
     )
-    cfg = AnnotateConfig(teacher=str(tiny_model_factory("teacher", seed=1)), top_k=4)
-    first = annotate(store, cfg, progress=False)
+    cfg = Config(annotate=AnnotateConfig(teacher=str(tiny_model_factory("teacher", seed=1)), top_k=4))
+    first = run_annotate(cfg, store)
     assert len(first.annotated) == 3, first.annotated  # the trained shard's part, and two more
     parts = store.shards.annotated_parts()
     assert len(parts) == 3
     store.quarantine(layout.annotated_path(first.annotated[-1], "teacher"), "damaged")
-    again = annotate(store, cfg, progress=False)
+    again = run_annotate(cfg, store)
     assert again.annotated == [first.annotated[-1]]  # scored again: the trainer needs those rows
     store.mark_done()
-    assert len(annotate(store, cfg, progress=False).annotated) == 2  # DONE: no demand, score the rest
+    assert len(run_annotate(cfg, store).annotated) == 2  # DONE: no demand, score the rest
 
 
 def test_rows_expiring_while_the_trainer_waits_stop_counting_as_coverage_during_the_wait(
     tmp_path, student_path, tokenizer, teacher
 ):
     """Without this the run could end in a deadlock: rollout sees its stale rows as coverage, the trainer waits."""
-    from opd_cache.train.trainer import train
+    from opd_cache.train import run_train
     from tests.test_trainer import config, make_store
 
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher, shards=2, rows=8)
     trainer = InThread(
-        lambda: train(config(store, max_steps=2, max_staleness=0, publish_every=1, follow=True, poll_seconds=0.05))
+        lambda: run_train(
+            config(store, max_steps=2, max_staleness=0, publish_every=1, follow=True, poll_seconds=0.05), store
+        )
     )
     # step 1 trained shard 0 at version 0; step 2 (version 1) expires shard 1 and waits for version-1 rows
     trainer.wait_until(

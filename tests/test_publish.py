@@ -16,7 +16,7 @@ from opd_cache.losses import LossConfig
 from opd_cache.models import build_tiny_model, load_causal_lm
 from opd_cache.storage import layout
 from opd_cache.storage.store import Store, StoreError
-from opd_cache.train import train
+from opd_cache.train import run_train
 from opd_cache.train.checkpoint import complete_states, verify_ledger
 from opd_cache.train.objective import DistillationObjective
 from opd_cache.train.publish import PolicyPublisher
@@ -128,10 +128,11 @@ def test_publish_dtype_bfloat16_is_written_and_recorded(local_store, tokenizer):
 
 def test_trainer_publishes_in_the_background_keeps_k_versions_and_n_states(tmp_path, student_path, tokenizer, teacher):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher, shards=6, rows=8)
-    result = train(
+    result = run_train(
         config(
             store, max_steps=6, publish_every=1, save_every=1, keep_versions=2, keep_states=2, publish_dtype="bfloat16"
-        )
+        ),
+        store,
     )
     assert result.step == 6 and result.policy_version == 6
     assert store.policy_versions() == [5, 6] and store.list_dirs("policy") == ["v000005", "v000006"]
@@ -149,7 +150,7 @@ def test_a_failed_background_publication_stops_the_trainer_before_its_state_and_
 ):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher, shards=4, rows=8)
     reference = make_store(tmp_path / "reference", student_path, tokenizer, teacher, shards=4, rows=8)
-    train(config(reference, max_steps=4, publish_every=2, save_every=2))
+    run_train(config(reference, max_steps=4, publish_every=2, save_every=2), reference)
     real_publish = Store.publish_policy
 
     def fail_version_2(self, version, *args, **kwargs):
@@ -159,10 +160,12 @@ def test_a_failed_background_publication_stops_the_trainer_before_its_state_and_
 
     monkeypatch.setattr(Store, "publish_policy", fail_version_2)
     with pytest.raises(StoreError, match=r"policy/v000002: Input/output error"):
-        train(config(store, max_steps=4, publish_every=2, save_every=2))
+        run_train(config(store, max_steps=4, publish_every=2, save_every=2), store)
     assert store.latest_version() == 1 and complete_states(store) == [2]  # the state of step 4 was never saved
     monkeypatch.setattr(Store, "publish_policy", real_publish)
-    train(config(store, max_steps=4, publish_every=2, save_every=2))  # resumes from step 2, publishes version 2
+    run_train(
+        config(store, max_steps=4, publish_every=2, save_every=2), store
+    )  # resumes from step 2, publishes version 2
     assert store.policy_versions() == [1, 2] and complete_states(store) == [2, 4]
     assert verify_ledger(store)["trained"] == 32
     for version in (1, 2):

@@ -18,7 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 from opd_cache.cli import app
-from opd_cache.config import RolloutConfig, SamplingConfig
+from opd_cache.config import Config, RolloutConfig, SamplingConfig
 from opd_cache.models import load_causal_lm
 from opd_cache.observe.metrics import read_metrics
 from opd_cache.rollout import run_rollout
@@ -51,7 +51,8 @@ def questions(count: int) -> list[str]:
     return [f"What is {i} + {i * 7 % 13}?" + " Think." * (i % 3) for i in range(count)]
 
 
-def config(student, prompts, **overrides) -> RolloutConfig:
+def config(student, prompts, **overrides) -> Config:
+    """A configuration whose rollout section samples `prompts` with `student` (`overrides`: more rollout keys)."""
     base = dict(
         student=str(student),
         prompts=str(prompts),
@@ -60,7 +61,7 @@ def config(student, prompts, **overrides) -> RolloutConfig:
         flush_rows=4,
         poll_seconds=0.05,
     )
-    return RolloutConfig(**{**base, **overrides})
+    return Config(rollout=RolloutConfig(**{**base, **overrides}))
 
 
 def shards_of(store: Store, worker: str | None = None):

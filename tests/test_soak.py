@@ -51,11 +51,11 @@ def soak_config(tmp_path: Path) -> Path:
         batch=BATCH,
         poll_seconds=0.05,
         # one shard per step, two steps ahead: rows rarely expire
-        rollout={"batch_prompts": 1, "max_buffer_samples": 2 * BATCH, "max_staleness": 4},
+        max_staleness=4,
+        rollout={"batch_prompts": 1, "max_buffer_samples": 2 * BATCH},
         train={
             "publish_every": 1,
             "save_every": 100,
-            "max_staleness": 4,
             "keep_versions": KEEP_VERSIONS,
             "keep_states": KEEP_STATES,
         },

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
-from opd_cache.config import DEFAULT_MAX_STALENESS, load_config
+from opd_cache.config import DEFAULT_MAX_STALENESS, ConfigError, load_config
 from opd_cache.flow.staleness import is_too_stale, staleness_window
 from opd_cache.launch.run import sync_overrides, write_resolved_config
 from tests.conftest import REPO
 
 DEMO = REPO / "examples/arithmetic_cpu/config.yaml"
-
-
-def bounds(cfg) -> tuple[int, int, int, int]:
-    return cfg.max_staleness, cfg.rollout.max_staleness, cfg.annotate.max_staleness, cfg.train.max_staleness
 
 
 def test_the_rule_and_its_window():
@@ -28,44 +25,49 @@ def test_the_rule_and_its_window():
 
 
 def test_one_top_level_bound_for_the_three_stages(capsys):
-    assert bounds(load_config()) == (DEFAULT_MAX_STALENESS,) * 4
-    assert bounds(load_config(sets=["max_staleness=5"])) == (5, 5, 5, 5)
-    assert bounds(load_config(DEMO)) == (2, 2, 2, 2)
-    assert capsys.readouterr().err == ""  # the demo's configuration uses no deprecated key
+    assert load_config().max_staleness == DEFAULT_MAX_STALENESS
+    assert load_config(sets=["max_staleness=5"]).max_staleness == 5
+    assert load_config(DEMO).max_staleness == 2
+    assert capsys.readouterr().err == ""  # the demo's configuration uses no retired key
 
 
-def test_the_per_stage_keys_still_work_with_a_deprecation_message(capsys):
-    cfg = load_config(sets=["train.max_staleness=1", "rollout.max_staleness=0"])
-    # each overrides its own stage; annotate follows the trainer's bound as it did when it read it from run.json
-    assert bounds(cfg) == (2, 0, 1, 1)
-    err = capsys.readouterr().err
-    assert (
-        "warning: config key 'rollout.max_staleness' is deprecated: set the top-level max_staleness (one bound "
-        "for rollout, annotate and train); rollout.max_staleness still overrides it for that stage\n"
-    ) in err
-    assert "'train.max_staleness' is deprecated" in err and "annotate.max_staleness" not in err
-    # next to the top-level key, a stage key overrides only its stage
-    assert bounds(load_config(sets=["max_staleness=4", "train.max_staleness=1"])) == (4, 4, 4, 1)
-    assert bounds(load_config(sets=["annotate.max_staleness=3"])) == (2, 2, 3, 2)
+@pytest.mark.parametrize("stage", ["rollout", "annotate", "train"])
+def test_a_retired_per_stage_key_is_one_line_naming_it_and_its_source(tmp_path, stage):
+    expected = (
+        f"config key '{stage}.max_staleness' was retired; set the top-level max_staleness instead "
+        f"(one bound for rollout, annotate and train)"
+    )
+    with pytest.raises(ConfigError) as raised:
+        load_config(sets=[f"{stage}.max_staleness=1"])
+    assert str(raised.value) == f"--set {stage}.max_staleness=1: {expected}"
+    path = tmp_path / "old.yaml"
+    path.write_text(f"max_staleness: 2\n{stage}:\n  max_staleness: 1\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    assert str(raised.value) == f"--config {path}: {expected}"
 
 
-def test_a_stage_flag_sets_its_stage_without_a_warning(capsys):
-    cfg = load_config(overrides={"train.max_staleness": 7})  # `opd train --max-staleness 7`
-    assert cfg.train.max_staleness == 7 and capsys.readouterr().err == ""
+def test_the_stage_flag_sets_the_top_level_bound():
+    from typer.testing import CliRunner
+
+    import opd_cache.cli  # noqa: F401  (registers the commands)
+    from opd_cache.cli.common import app
+
+    for command in ("rollout", "annotate", "train", "run"):
+        out = CliRunner().invoke(app, [command, "--max-staleness", "7", "--print-config"])
+        assert out.exit_code == 0, out.output
+        printed = yaml.safe_load(out.stdout)
+        assert printed["max_staleness"] == 7 and all("max_staleness" not in printed[s] for s in ("rollout", "train"))
 
 
-@pytest.mark.parametrize(
-    "sets",
-    [[], ["train.max_staleness=1"], ["max_staleness=3", "rollout.max_staleness=0"], ["annotate.max_staleness=5"]],
-)
-def test_the_config_opd_run_hands_its_stages_gives_each_the_same_bound(tmp_path, sets, capsys):
+@pytest.mark.parametrize("sets", [[], ["max_staleness=1"], ["max_staleness=0"]])
+def test_the_config_opd_run_hands_its_stages_has_the_same_bound(tmp_path, sets, capsys):
     cfg = load_config(DEMO, sets=sets)
     again = load_config(write_resolved_config(cfg, tmp_path / "config.yaml"))
-    assert bounds(again)[1:] == bounds(cfg)[1:]
-    if not sets:
-        assert capsys.readouterr().err == ""
+    assert again.max_staleness == cfg.max_staleness and again == cfg
+    assert capsys.readouterr().err == ""
 
 
-def test_sync_is_staleness_zero_everywhere():
-    assert bounds(sync_overrides(load_config(DEMO))) == (0, 0, 0, 0)
-    assert bounds(sync_overrides(load_config(DEMO, sets=["train.max_staleness=3"]))) == (0, 0, 0, 0)
+def test_sync_is_staleness_zero():
+    assert sync_overrides(load_config(DEMO)).max_staleness == 0
+    assert sync_overrides(load_config(DEMO, sets=["max_staleness=3"])).max_staleness == 0

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from opd_cache.annotate import Annotator
-from opd_cache.config import AnnotateConfig
+from opd_cache.config import AnnotateConfig, Config
 from opd_cache.storage.store import Store, make_shard_id
 from opd_cache.tokenizer import tokenizer_fingerprint
 from tests.conftest import write_random_rollout_shard
@@ -106,8 +106,10 @@ def test_supervisor_starts_every_stage_before_run_json_exists(tmp_path, monkeypa
 
 
 # ---------------------------------------------------------------- the annotator
-def annotate_config(teacher_path, **kwargs) -> AnnotateConfig:
-    return AnnotateConfig(teacher=str(teacher_path), top_k=4, follow=True, poll_seconds=0.1, **kwargs)
+def annotate_config(teacher_path, **kwargs) -> Config:
+    """A configuration whose annotate section follows the store with `teacher_path` (`kwargs`: more annotate keys)."""
+    keys = {"top_k": 4, "follow": True, "poll_seconds": 0.1, **kwargs}
+    return Config(annotate=AnnotateConfig(teacher=str(teacher_path), **keys))
 
 
 def test_annotator_on_an_empty_store_loads_its_teacher_then_waits_for_run_json_and_annotates(
@@ -118,7 +120,7 @@ def test_annotator_on_an_empty_store_loads_its_teacher_then_waits_for_run_json_a
     store, student = local_store, tiny_model_factory("student", seed=0)
     loaded = record_calls(monkeypatch, worker, "make_scorer", store)
     starting = InThread(
-        lambda: Annotator(store, annotate_config(tiny_model_factory("teacher", seed=1)), progress=False)
+        lambda: Annotator(annotate_config(tiny_model_factory("teacher", seed=1)), store, progress=False)
     )
     wait_until_sleeping_on_run_json(starting, loaded)
     assert loaded.saw_run[0] is False  # the teacher loaded before run.json existed
@@ -142,7 +144,7 @@ def test_annotator_on_an_empty_store_loads_its_teacher_then_waits_for_run_json_a
 def test_annotator_waiting_on_an_empty_store_refuses_a_run_json_with_another_tokenizer(local_store, tiny_model_factory):
     store = local_store
     starting = InThread(
-        lambda: Annotator(store, annotate_config(tiny_model_factory("teacher", seed=1)), progress=False)
+        lambda: Annotator(annotate_config(tiny_model_factory("teacher", seed=1)), store, progress=False)
     )
     time.sleep(1.0)
     store.manifest.ensure(student=str(tiny_model_factory("student", seed=0)), tokenizer_fingerprint="0123456789abcdef")
@@ -152,9 +154,9 @@ def test_annotator_waiting_on_an_empty_store_refuses_a_run_json_with_another_tok
 
 
 def test_annotator_without_follow_still_refuses_a_store_without_run_json(local_store, tiny_model_factory):
-    cfg = annotate_config(tiny_model_factory("teacher", seed=1)).model_copy(update={"follow": False})
+    cfg = annotate_config(tiny_model_factory("teacher", seed=1), follow=False)
     with pytest.raises(Exception, match=r"run\.json does not exist: run `opd rollout` on this store first"):
-        Annotator(local_store, cfg, progress=False)
+        Annotator(cfg, local_store, progress=False)
 
 
 # ---------------------------------------------------------------- the trainer
@@ -162,12 +164,12 @@ def test_trainer_on_an_empty_store_loads_the_student_then_waits_for_run_json_and
     tmp_path, tokenizer, teacher, tiny_model_factory, monkeypatch
 ):
     from opd_cache import models
-    from opd_cache.train import train
+    from opd_cache.train import run_train
 
     store, student = Store(tmp_path / "store"), tiny_model_factory("student", seed=0)
     cfg = train_config(store, student=str(student), follow=True, poll_seconds=0.1, max_steps=2)
     loaded = record_calls(monkeypatch, models, "load_causal_lm", store)
-    training = InThread(lambda: train(cfg))
+    training = InThread(lambda: run_train(cfg, store))
     wait_until_sleeping_on_run_json(training, loaded)
     assert loaded.saw_run[0] is False  # the student loaded before run.json existed
 
@@ -181,12 +183,12 @@ def test_trainer_waiting_on_an_empty_store_refuses_a_run_json_with_another_token
     tmp_path, tiny_model_factory, monkeypatch
 ):
     from opd_cache import models
-    from opd_cache.train import train
+    from opd_cache.train import run_train
 
     store, student = Store(tmp_path / "store"), tiny_model_factory("student", seed=0)
     cfg = train_config(store, student=str(student), follow=True, poll_seconds=0.1, max_steps=2)
     loaded = record_calls(monkeypatch, models, "load_causal_lm", store)
-    training = InThread(lambda: train(cfg))
+    training = InThread(lambda: run_train(cfg, store))
     wait_until_sleeping_on_run_json(training, loaded)
     store.manifest.ensure(student=str(student), tokenizer_fingerprint="0123456789abcdef", teachers={"teacher": "t"})
     with pytest.raises(ValueError, match=r"its tokenizer \(fingerprint \w+\) is not the run's \(0123456789abcdef"):

@@ -19,7 +19,7 @@ from opd_cache.config import load_config
 from opd_cache.models import build_tiny_model
 from opd_cache.observe.metrics import read_metrics
 from opd_cache.observe.tracking import check_trackers, train_metrics
-from opd_cache.train import train
+from opd_cache.train import run_train
 from tests.test_cli_inspect import opd
 from tests.test_trainer import config, make_store
 
@@ -44,7 +44,9 @@ def trained_store(tmp_path_factory, tiny_model_factory, tokenizer):
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # shared cores: torch's thread pool makes tiny models slower, not faster
         try:
-            result = train(config(store, max_steps=STEPS, publish_every=2, report_to=["wandb", "tensorboard"]))
+            result = run_train(
+                config(store, max_steps=STEPS, publish_every=2, report_to=["wandb", "tensorboard"]), store
+            )
         finally:
             torch.set_num_threads(threads)
         assert result.step == STEPS

@@ -19,7 +19,7 @@ import torch
 from opd_cache.models import load_causal_lm
 from opd_cache.storage import layout
 from opd_cache.storage.store import Store
-from opd_cache.train import train
+from opd_cache.train import run_train
 from opd_cache.train.checkpoint import complete_states, read_ledger, verify_ledger
 from tests.test_trainer import assert_same_weights, config, make_store, metrics, teacher  # noqa: F401
 
@@ -50,7 +50,7 @@ def test_two_processes_equal_one_then_resume_on_one(tmp_path, tiny_model_factory
     # micro-batches (the short rank pads with empty ones); small micro-batches give several per rank.
     options = dict(max_steps=6, global_batch_samples=9, micro_batch_tokens=40, publish_every=2, save_every=2)
     one = make_store(tmp_path / "one", student, tokenizer, teacher, shards=3, rows=13)
-    result = train(config(one, **options))
+    result = run_train(config(one, **options), one)
     assert result.step == 5 and result.stopped == "no more admissible data"
 
     two = make_store(tmp_path / "two", student, tokenizer, teacher, shards=3, rows=13)
@@ -72,7 +72,7 @@ def test_two_processes_equal_one_then_resume_on_one(tmp_path, tiny_model_factory
     ]
 
     # the state saved by two ranks resumes in one process (DCP reshards) and ends where the 1-process run ended
-    result = train(config(two, **options))
+    result = run_train(config(two, **options), two)
     assert result.step == 5
     assert_same_weights(weights_of(two, two.latest_version()), weights_of(one, one.latest_version()))
     assert read_ledger(two) == read_ledger(one)
@@ -84,7 +84,9 @@ def test_two_processes_equal_one_then_resume_on_one(tmp_path, tiny_model_factory
 def test_single_gpu_bf16_trains(tmp_path, tiny_model_factory, tokenizer, teacher):  # noqa: F811
     student = tiny_model_factory("student", seed=0)
     store = make_store(tmp_path / "gpu", student, tokenizer, teacher, shards=2, rows=32)
-    result = train(config(store, max_steps=8, global_batch_samples=8, lr=3e-3, device="cuda", mixed_precision="auto"))
+    result = run_train(
+        config(store, max_steps=8, global_batch_samples=8, lr=3e-3, device="cuda", mixed_precision="auto"), store
+    )
     assert result.step == 8
     losses = [m["loss"] for m in metrics(store)]
     assert all(map(lambda x: x == x, losses)) and min(losses[-3:]) < max(losses[:3])
@@ -102,7 +104,7 @@ def test_two_gpus_equal_one_gpu(tmp_path, tiny_model_factory, tokenizer, teacher
         mixed_precision="off",
     )
     one = make_store(tmp_path / "one", student, tokenizer, teacher, shards=3, rows=13)
-    train(config(one, **options))
+    run_train(config(one, **options), one)
     two = make_store(tmp_path / "two", student, tokenizer, teacher, shards=3, rows=13)
     torchrun_train(two, "train.device=cuda", "train.mixed_precision=off", timeout=600)
     assert [m["loss"] for m in metrics(two)] == pytest.approx([m["loss"] for m in metrics(one)], abs=1e-5)

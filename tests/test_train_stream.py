@@ -95,11 +95,11 @@ def test_admits_complete_shards_only_oldest_version_first(local_store, run):
     ids = [sid for b in batches for sid in b.sample_ids]
     # one partial batch: all rows of the older shard first, then the newer one; never the pending shard
     assert ids == [f"{older}-{i}" for i in range(6)] + [f"{newer}-{i}" for i in range(6)]
-    assert end.cursor["finished"] == [older, newer] and end.cursor["trained_samples"] == 12
+    assert end.cursor.finished == [older, newer] and end.cursor.trained_samples == 12
 
     # once its part exists, a stream resumed from the cursor trains the pending shard
     write_synthetic_shard(local_store, run, pending, num_rows=6, vocab_size=V, top_k=K, seed=1)
-    stream, _ = make_stream(local_store, run, cursor=StreamCursor.from_dict(end.cursor), batch_samples=100)
+    stream, _ = make_stream(local_store, run, cursor=end.cursor, batch_samples=100)
     batches, _ = drain(stream, version=1)
     assert [sid for b in batches for sid in b.sample_ids] == [f"{pending}-{i}" for i in range(6)]
 
@@ -111,11 +111,11 @@ def test_expired_shards_are_counted_listed_and_never_batched(local_store, run):
     stream, _ = make_stream(local_store, run, max_staleness=1, batch_samples=100)
     batches, end = drain(stream, version=3)
     assert [sid for b in batches for sid in b.sample_ids] == [f"{fresh}-{i}" for i in range(6)]
-    assert batches[0].expired_rows == 12 and end.cursor["expired_samples"] == 12
+    assert batches[0].expired_rows == 12 and end.cursor.expired_samples == 12
     assert all(b.version - v <= 1 for b in batches for v in b.row_version)
     reasons = skipped(local_store)
     assert reasons == {f"{s}-{i}": "expired" for s in (stale_done, stale_pending) for i in range(6)}
-    assert set(end.cursor["finished"]) == {stale_done, stale_pending, fresh}
+    assert set(end.cursor.finished) == {stale_done, stale_pending, fresh}
 
 
 def test_partially_consumed_shard_expires_its_remaining_rows(local_store, run):
@@ -126,7 +126,7 @@ def test_partially_consumed_shard_expires_its_remaining_rows(local_store, run):
     end = stream.next_batch(2, 1)  # the student moved on to version 1: the rest of the v0 shard is too stale
     assert isinstance(end, StreamEnd) and end.expired_rows == 5
     assert skipped(local_store) == {f"{sid}-{i}": "expired" for i in range(3, 8)}
-    assert end.cursor["trained_samples"] == 3 and end.cursor["expired_samples"] == 5
+    assert end.cursor.trained_samples == 3 and end.cursor.expired_samples == 5
 
 
 def test_resuming_from_a_batch_cursor_continues_exactly(local_store, run):
@@ -137,7 +137,8 @@ def test_resuming_from_a_batch_cursor_continues_exactly(local_store, run):
     assert [len(b.sample_ids) for b in batches] == [5, 5, 5, 5, 5, 3]
     all_ids = [sid for b in batches for sid in b.sample_ids]
     assert len(all_ids) == len(set(all_ids)) == 28
-    resumed, _ = make_stream(local_store, run, cursor=StreamCursor.from_dict(batches[1].cursor), batch_samples=5)
+    saved = json.loads(json.dumps(batches[1].cursor.to_dict()))  # as a resume state's trainer.json holds it
+    resumed, _ = make_stream(local_store, run, cursor=StreamCursor.from_dict(saved), batch_samples=5)
     rest, _ = drain(resumed)
     assert [b.sample_ids for b in rest] == [b.sample_ids for b in batches[2:]]
 
@@ -184,7 +185,7 @@ def test_routing_joins_each_row_with_its_teacher(local_store):
     assert batch.sample_ids == [f"{sid}-{i}" for i in routed]
     assert batch.teachers == [{"gsm8k": "math", "mbpp": "code"}[sources[i]] for i in routed]
     assert skipped(local_store) == {f"{sid}-2": "unrouted", f"{sid}-6": "unrouted"}
-    assert batch.cursor["unrouted_samples"] == 2
+    assert batch.cursor.unrouted_samples == 2
 
     # every decoded teacher target is the routed teacher's entry for that row
     assign_ranks(batch, 1, 10_000)
@@ -223,7 +224,7 @@ def test_assign_ranks_balances_tokens_and_equalises_micro_batches():
         row_version=np.zeros(n, np.int32),
         sample_ids=[str(i) for i in range(n)],
         teachers=["t"] * n,
-        cursor={},
+        cursor=StreamCursor(),
     )
     budget = 120
     assign_ranks(batch, 3, budget)
@@ -283,7 +284,7 @@ def test_follow_waits_for_new_shards_then_idle_timeout_ends(local_store, run):
     assert batch.sample_ids == [f"{late}-{i}" for i in range(4)]
     assert batch.wait_seconds >= 0.2 and time.monotonic() - t0 >= 0.4
     end = stream.next_batch(3, 0)
-    assert isinstance(end, StreamEnd) and "idle" in end.reason
+    assert isinstance(end, StreamEnd) and "idle" in end.reason and end.kind == "idle_timeout"
 
 
 def test_loader_prefetches_the_planned_batches(local_store, run):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from opd_cache.storage import layout
 from opd_cache.storage.store import Store, make_shard_id
 from opd_cache.testing import response_logprobs, write_synthetic_shard
 from opd_cache.tokenizer import tokenizer_fingerprint
-from opd_cache.train import train
+from opd_cache.train import run_train
 from opd_cache.train.checkpoint import complete_states, read_ledger, verify_ledger
 from opd_cache.train.microbatch import MicroBatch
 from opd_cache.train.objective import DistillationObjective
@@ -94,13 +95,13 @@ def make_store(
     return store
 
 
-def config(store: Store, s3_endpoint: str | None = None, **train):
+def config(store: Store, s3_endpoint: str | None = None, max_staleness: int = 100, **train):
     # lr 3e-4 unless a test needs speed: Adam divides each gradient by its own RMS, which turns float rounding of
     # near-zero gradients into updates of up to ~lr, so runs that should agree agree to ~lr/100, not to 1e-7.
     overrides = {
         "store.uri": store.uri,
+        "max_staleness": max_staleness,
         "train.lr": 3e-4,
-        "train.max_staleness": 100,
         "train.publish_every": 100,
         "train.save_every": 100,
         "train.global_batch_samples": 8,
@@ -145,7 +146,7 @@ def heldout_kl(student, teacher, tokenizer) -> float:
 def test_distillation_loss_and_heldout_kl_fall(tmp_path, student_path, tokenizer, teacher):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher, shards=6, rows=64)
     kl_before = heldout_kl(load_causal_lm(student_path), teacher, tokenizer)
-    result = train(config(store, max_steps=24, global_batch_samples=16, lr=3e-3))
+    result = run_train(config(store, max_steps=24, global_batch_samples=16, lr=3e-3), store)
     assert result.step == 24 and result.stopped == "max_steps" and store.is_done()
     losses = [m["loss"] for m in metrics(store)]
     assert len(losses) == 24
@@ -183,7 +184,7 @@ def test_micro_batch_size_does_not_change_the_result(tmp_path, student_path, tok
     weights, micro_batches = [], []
     for name, micro in (("one", 100_000), ("many", 24)):
         store = make_store(tmp_path / name, student_path, tokenizer, teacher, shards=1, rows=24)
-        train(config(store, max_steps=3, micro_batch_tokens=micro, aggregation=aggregation))
+        run_train(config(store, max_steps=3, micro_batch_tokens=micro, aggregation=aggregation), store)
         micro_batches.append([m["micro_batches"] for m in metrics(store)])
         weights.append(final_weights(store))
     assert set(micro_batches[0]) == {1} and min(micro_batches[1]) >= 3
@@ -192,12 +193,12 @@ def test_micro_batch_size_does_not_change_the_result(tmp_path, student_path, tok
 
 def test_resume_with_more_steps_equals_one_longer_run(tmp_path, student_path, tokenizer, teacher):
     short = make_store(tmp_path / "short", student_path, tokenizer, teacher, shards=2, rows=20)
-    train(config(short, max_steps=3, publish_every=2))
+    run_train(config(short, max_steps=3, publish_every=2), short)
     assert short.is_done() and complete_states(short) == [3] and short.latest_version() == 2
-    train(config(short, max_steps=5, publish_every=2))  # resumes at step 3, DONE removed then written again
+    run_train(config(short, max_steps=5, publish_every=2), short)  # resumes at step 3, DONE removed then written again
     assert short.is_done() and short.read_progress()["step"] == 5
     straight = make_store(tmp_path / "straight", student_path, tokenizer, teacher, shards=2, rows=20)
-    train(config(straight, max_steps=5, publish_every=2))
+    run_train(config(straight, max_steps=5, publish_every=2), straight)
     assert_same_weights(final_weights(short), final_weights(straight))
     assert read_ledger(short) == read_ledger(straight)
     assert [m["loss"] for m in metrics(short)] == pytest.approx([m["loss"] for m in metrics(straight)], abs=1e-6)
@@ -206,23 +207,24 @@ def test_resume_with_more_steps_equals_one_longer_run(tmp_path, student_path, to
 def test_object_store_states_upload_and_resume(s3_store, s3_endpoint, tmp_path, student_path, tokenizer, teacher):
     """On S3 (moto) the DCP state is written locally then uploaded, `_COMPLETE` last, and downloaded to resume."""
     make_store(s3_store, student_path, tokenizer, teacher, shards=1, rows=24)
-    train(config(s3_store, s3_endpoint, max_steps=2, save_every=1, publish_every=1))
+    run_train(config(s3_store, s3_endpoint, max_steps=2, save_every=1, publish_every=1), s3_store)
     assert complete_states(s3_store) == [1, 2] and s3_store.latest_version() == 2
     names = {info.base_name for info in s3_store.list_files("train/state/step-000002")}
     assert {"_COMPLETE", ".metadata", "__0_0.distcp", "trainer.json", "rng-0.json"} <= names
-    train(config(s3_store, s3_endpoint, max_steps=3, save_every=1, publish_every=1))
+    run_train(config(s3_store, s3_endpoint, max_steps=3, save_every=1, publish_every=1), s3_store)
     assert s3_store.read_progress()["step"] == 3 and s3_store.is_done()
     local = make_store(tmp_path / "local", student_path, tokenizer, teacher, shards=1, rows=24)
-    train(config(local, max_steps=3, save_every=1, publish_every=1))
+    run_train(config(local, max_steps=3, save_every=1, publish_every=1), local)
     assert_same_weights(final_weights(s3_store), final_weights(local))
 
 
 # ------------------------------------------------------------------ staleness
 def test_rows_older_than_the_bound_expire_and_are_never_trained(tmp_path, student_path, tokenizer, teacher):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher, shards=4, rows=8)
-    result = train(config(store, max_steps=10, max_staleness=1, publish_every=1))
+    result = run_train(config(store, max_steps=10, max_staleness=1, publish_every=1), store)
     # step 1 at v0 and step 2 at v1 train two shards; at v2 the other two v0 shards are too stale
     assert result.step == 2 and result.stopped == "no more admissible data" and not store.is_done()
+    assert result.stop_kind == "no_data"
     trained, skipped = read_ledger(store)
     s = [make_shard_id(0, "w00", i) for i in range(4)]
     assert trained == {1: [f"{s[0]}-{i}" for i in range(8)], 2: [f"{s[1]}-{i}" for i in range(8)]}
@@ -235,7 +237,9 @@ def test_rows_older_than_the_bound_expire_and_are_never_trained(tmp_path, studen
 def test_max_staleness_zero_waits_for_data_of_the_current_version(tmp_path, student_path, tokenizer, teacher):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher, shards=2, rows=8)
     trainer = InThread(
-        lambda: train(config(store, max_steps=2, max_staleness=0, publish_every=1, follow=True, poll_seconds=0.05))
+        lambda: run_train(
+            config(store, max_steps=2, max_staleness=0, publish_every=1, follow=True, poll_seconds=0.05), store
+        )
     )
     trainer.wait_until(
         lambda: store.latest_version() == 1 and store.exists(f"train/skipped/{make_shard_id(0, 'w00', 1)}.jsonl"),
@@ -251,6 +255,21 @@ def test_max_staleness_zero_waits_for_data_of_the_current_version(tmp_path, stud
     assert set(skipped.values()) == {"expired"} and len(skipped) == 8
     step2 = metrics(store)[1]
     assert step2["staleness"] == {"0": 8} and step2["stream_wait_s"] >= 0.4
+
+
+def test_stop_ends_a_following_trainer_published_and_saved_without_done(tmp_path, student_path, tokenizer, teacher):
+    """`run_train(..., stop=event)`: a trainer waiting for data ends when the event is set, its last step published
+    and saved (a later run resumes there), and it does not claim to be finished."""
+    store = make_store(tmp_path / "store", student_path, tokenizer, teacher, shards=1, rows=8)
+    stop = threading.Event()
+    cfg = config(store, max_steps=10, publish_every=1, follow=True, poll_seconds=0.05)
+    trainer = InThread(lambda: run_train(cfg, store, stop=stop))
+    trainer.wait_until(lambda: store.read_progress().get("step") == 1, "step 1")
+    time.sleep(0.3)  # waiting for the data of step 2, which never comes
+    stop.set()
+    result = trainer.join()
+    assert (result.step, result.stop_kind, result.stopped) == (1, "stop_requested", "stop requested")
+    assert not store.is_done() and complete_states(store) == [1] and store.latest_version() == 1
 
 
 # ------------------------------------------------------------------ SIGKILL and resume
@@ -309,7 +328,7 @@ def test_sigkill_then_resume_trains_every_row_exactly_once(tmp_path, student_pat
     assert "resuming from" in out.output and killed.is_done()
 
     straight = make_store(tmp_path / "straight", student_path, tokenizer, teacher, shards=8, rows=8)
-    train(config(straight, max_steps=8, publish_every=2, save_every=2))
+    run_train(config(straight, max_steps=8, publish_every=2, save_every=2), straight)
     assert_same_weights(final_weights(killed), final_weights(straight))
 
     trained, skipped = read_ledger(killed)
@@ -436,7 +455,7 @@ def test_pg_loss_with_task_reward_trains_end_to_end(tmp_path, student_path, toke
     store = make_store(
         tmp_path / "store", student_path, tokenizer, teacher, shards=1, rows=8, ground_truth=["3"] * 8, group_size=4
     )
-    result = train(config(store, max_steps=1, loss="pg", importance_cap=2.0, task_reward_weight=0.5))
+    result = run_train(config(store, max_steps=1, loss="pg", importance_cap=2.0, task_reward_weight=0.5), store)
     assert result.step == 1
     record = metrics(store)[0]
     assert np.isfinite(record["loss"]) and record["task_reward_mean"] == 0.0
@@ -470,7 +489,7 @@ def run_cli(*args):
 def test_bad_inputs_each_get_one_message(tmp_path, student_path, tokenizer, teacher, local_store):
     store = make_store(tmp_path / "store", student_path, tokenizer, teacher, shards=1, rows=4)
     out = run_cli("--store", store.uri, "--max-staleness", "-1")
-    assert "train.max_staleness' = -1" in out and "greater than or equal to 0" in out
+    assert "config key 'max_staleness' = -1" in out and "greater than or equal to 0" in out
     out = run_cli("--store", store.uri, "--global-batch-samples", "4", "--global-batch-tokens", "100")
     assert "give only one of them" in out
     out = run_cli("--store", store.uri, "--support", "union")

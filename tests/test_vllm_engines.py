@@ -23,7 +23,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine; the defa
 
 from opd_cache.annotate import Annotator
 from opd_cache.annotate.hf_score import HFScorer
-from opd_cache.config import AnnotateConfig, RolloutConfig, SamplingConfig
+from opd_cache.config import AnnotateConfig, Config, RolloutConfig, SamplingConfig
 from opd_cache.engine import SampleRequest
 from opd_cache.models import load_causal_lm
 from opd_cache.rollout import run_rollout
@@ -230,7 +230,7 @@ def test_two_teachers_with_routing_on_the_vllm_scorer(scorer, teacher, tokenizer
     routing = {"math": "tA", "code": "tB"}
     for name in ("tA", "tB"):
         cfg = AnnotateConfig(teacher=str(teacher), teacher_name=name, engine="vllm", top_k=8, routing=routing)
-        stats = Annotator(local_store, cfg, scorer=scorer, progress=False).run()
+        stats = Annotator(Config(annotate=cfg), local_store, scorer=scorer, progress=False).run()
         assert len(stats.annotated) == 2
     hf = HFScorer.load(str(teacher), device="cpu")
     for shard_id, owner, other in (("v000000-w00-000000", "tA", "tB"), ("v000000-w00-000001", "tB", "tA")):
@@ -265,7 +265,7 @@ def roll_out_while_publishing(store, versions: list, prompts, timeout: float):
         sampling=SamplingConfig(max_new_tokens=8),
     )
     stop = threading.Event()
-    worker = InThread(lambda: run_rollout(cfg, store, stop=stop))
+    worker = InThread(lambda: run_rollout(Config(rollout=cfg), store, stop=stop))
     try:
         for version, path in enumerate(versions):
             if version:

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+
+if TYPE_CHECKING:
+    from opd_cache.config import Config
+    from opd_cache.storage.store import Store
 
 app = typer.Typer(
     name="opd",
@@ -21,6 +26,13 @@ err_console = Console(stderr=True)
 
 # --set: every stage command (through config_flags.py) and `opd demo`
 SetOpt = typer.Option(None, "--set", help="Override any config key: --set train.lr=3e-4 (repeatable).")
+
+
+def open_store(cfg: Config) -> Store:
+    """The store a resolved config names (`store.uri`, `store.s3_endpoint`): what a stage command hands its stage."""
+    from opd_cache.storage.store import Store
+
+    return Store(cfg.store.uri, s3_endpoint=cfg.store.s3_endpoint)
 
 
 def user_errors(fn: Callable) -> Callable:

@@ -1,5 +1,6 @@
 """Stage flags generated from the typed config: every key of the sections a command reads is one of its flags.
 
+    max_staleness                 opd rollout --max-staleness        a top-level key the command reads
     rollout.flush_rows            opd rollout --flush-rows           a key of the command's own section
     rollout.sampling.top_p        opd rollout --sampling-top-p       (dots and underscores become dashes)
     store.s3_endpoint             opd rollout --store-s3-endpoint    a key of another section keeps the section
@@ -101,9 +102,8 @@ def config_flag(key: str, field: FieldInfo, command: str, own_section: str) -> C
         help_text += "; a YAML value, as --set takes"
     if field.default is not None:
         help_text += f" (default {default_text(field.default)})"
-    option = typer.Option(
-        None, *decls, help=escape(help_text), show_default=False, rich_help_panel=f"{key.split('.')[0]} config keys"
-    )
+    panel = f"{key.split('.')[0]} config keys" if "." in key else "top-level config keys"
+    option = typer.Option(None, *decls, help=escape(help_text), show_default=False, rich_help_panel=panel)
     python_name = "cfg__" + key.replace(".", "__")  # typer passes the value in as this keyword
     parameter = inspect.Parameter(python_name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind | None)
     return ConfigFlag(key, parameter, from_yaml)
@@ -167,8 +167,15 @@ class ConfigArgs:
         return cfg
 
 
-def config_flags(command: str, sections: tuple[str, ...], own_section: str, exclude: tuple[str, ...] = ()) -> Callable:
-    """Give a command --config, --set, --print-config and a flag for every key of `sections` (but `exclude`).
+def config_flags(
+    command: str,
+    sections: tuple[str, ...],
+    own_section: str,
+    exclude: tuple[str, ...] = (),
+    top_level: tuple[str, ...] = (),
+) -> Callable:
+    """Give a command --config, --set, --print-config and a flag for every key of `sections` (but `exclude`) and
+    for the `top_level` keys it reads (`max_staleness`: `--max-staleness`).
 
     The command takes its own options and `args: ConfigArgs`; `args.resolve()` builds the config.
     """
@@ -176,7 +183,8 @@ def config_flags(command: str, sections: tuple[str, ...], own_section: str, excl
     def decorate(command_fn: Callable) -> Callable:
         signature = inspect.signature(command_fn)
         own = [p for p in signature.parameters.values() if p.name != "args"]
-        generated = [
+        generated = [config_flag(key, Config.model_fields[key], command, own_section) for key in top_level]
+        generated += [
             config_flag(key, field, command, own_section)
             for section in sections
             for key, field in config_keys(Config.model_fields[section].annotation, section)

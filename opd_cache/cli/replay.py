@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from opd_cache.cli.common import app, console, user_errors
+from opd_cache.cli.common import app, console, open_store, user_errors
 from opd_cache.cli.config_flags import ConfigArgs, config_flags
 
 
@@ -33,7 +33,7 @@ def replay_command(
     --max-steps (or train.max_steps in --config or --set) it trains as many steps as the epochs need.
     """
     from opd_cache.config import TrainConfig, load_config
-    from opd_cache.train.replay import ReplaySpec, replay
+    from opd_cache.train.replay import ReplaySpec, run_replay
 
     if "store.uri" not in args.flags:
         raise ValueError("opd replay needs --store DST: the replay's own store")
@@ -54,4 +54,4 @@ def replay_command(
         teachers=list(teacher) if teacher else None,
         data_sources=list(data_source) if data_source else None,
     )
-    replay(cfg, spec, console=console, steps_from_epochs=steps_from_epochs)
+    run_replay(cfg, open_store(cfg), spec, console=console, steps_from_epochs=steps_from_epochs)

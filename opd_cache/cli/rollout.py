@@ -5,17 +5,16 @@ from __future__ import annotations
 import signal
 import threading
 
-from opd_cache.cli.common import app, console, user_errors
+from opd_cache.cli.common import app, console, err_console, open_store, user_errors
 from opd_cache.cli.config_flags import ConfigArgs, config_flags
 
 
 @app.command("rollout")
 @user_errors
-@config_flags("rollout", sections=("store", "rollout"), own_section="rollout")
+@config_flags("rollout", sections=("store", "rollout"), own_section="rollout", top_level=("max_staleness",))
 def rollout_command(args: ConfigArgs) -> None:
     """Sample student responses to prompts and publish them as rollout shards."""
     from opd_cache.rollout import run_rollout
-    from opd_cache.storage.store import Store
     from opd_cache.tasks.prompts import check_prompts_path
 
     cfg = args.resolve()
@@ -36,9 +35,7 @@ def rollout_command(args: ConfigArgs) -> None:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        result = run_rollout(
-            cfg.rollout, Store(cfg.store.uri, s3_endpoint=cfg.store.s3_endpoint), stop=stop, show_progress=True
-        )
+        result = run_rollout(cfg, open_store(cfg), stop=stop, console=err_console)  # progress on stderr
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

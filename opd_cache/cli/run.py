@@ -16,7 +16,12 @@ def default_logs_dir(store_uri: str) -> Path:
 
 @app.command("run")
 @user_errors
-@config_flags("run", sections=("store", "rollout", "annotate", "train", "eval", "run", "ray"), own_section="run")
+@config_flags(
+    "run",
+    sections=("store", "rollout", "annotate", "train", "eval", "run", "ray"),
+    own_section="run",
+    top_level=("max_staleness",),
+)
 def run_command(
     logs: Path | None = typer.Option(None, "--logs", help="Folder for the stages' logs and the resolved config."),
     quiet: bool = typer.Option(

@@ -1,6 +1,6 @@
 """The staleness bound: how many policy versions a row may lag behind the policy it trains or is scored for.
 
-One rule for the three stages (DESIGN.md §3). A row sampled with policy version `v` is too stale at version `V`
+One rule for the three stages (docs/design.md §5). A row sampled with policy version `v` is too stale at version `V`
 (the trainer's step version, or the newest published policy LATEST) when `V - v > max_staleness`:
 
 - rollout pauses while the policy it loaded is too stale against LATEST (what it would sample expires);
@@ -8,7 +8,8 @@ One rule for the three stages (DESIGN.md §3). A row sampled with policy version
 - the trainer expires a shard that is too stale against the version of the step it would train in.
 
 The bound is the top-level `max_staleness` of the configuration (its default: `DEFAULT_MAX_STALENESS` in
-opd_cache/config.py); the per-stage keys of earlier versions still override it for one stage.
+opd_cache/config.py), the one key for the three stages; the per-stage keys of earlier versions are refused,
+naming it.
 """
 
 from __future__ import annotations

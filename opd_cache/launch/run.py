@@ -35,7 +35,7 @@ import yaml
 from rich.live import Live
 from rich.table import Table
 
-from opd_cache.config import STAGES_WITH_STALENESS, Config
+from opd_cache.config import Config
 from opd_cache.flow.demand import announce_demand
 from opd_cache.observe.metrics import read_metrics
 from opd_cache.observe.progress import Every, duration
@@ -72,14 +72,12 @@ class StageProcess:
 def sync_overrides(cfg: Config) -> Config:
     """The lockstep baseline expressed as pacing: no staleness, publish every step, one batch ahead at most."""
     batch = cfg.train.global_batch_samples or cfg.rollout.flush_rows
-    cfg.max_staleness = cfg.train.max_staleness = 0
+    cfg.max_staleness = 0
     cfg.train.publish_every = 1
-    cfg.rollout.max_staleness = 0
     # rollout pauses while backlog > max_buffer_samples: one row less than a batch makes it wait for the
     # next version after each batch (with `= batch` it samples a second batch of the old version, which expires)
     cfg.rollout.max_buffer_samples = max(batch - 1, 1)
     cfg.rollout.flush_rows = batch
-    cfg.annotate.max_staleness = 0
     cfg.run.rollout_workers = 1
     return cfg
 
@@ -429,13 +427,7 @@ class RunDisplay:
 
 
 def write_resolved_config(cfg: Config, path: Path) -> Path:
-    """The configuration every stage process reads. Its top-level max_staleness is the trainer's bound, and a
-    stage's own key (deprecated: the stage warns about it) is written only where that stage's bound differs."""
-    resolved = cfg.model_dump(mode="json")
-    resolved["max_staleness"] = cfg.train.max_staleness
-    for name in STAGES_WITH_STALENESS:
-        if resolved[name]["max_staleness"] == resolved["max_staleness"]:
-            del resolved[name]["max_staleness"]
+    """The configuration every stage process reads (`--config`): the resolved one, complete, as YAML."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return path

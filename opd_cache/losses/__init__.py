@@ -1,6 +1,6 @@
 """Distillation losses of on-policy distillation, as pure tensor functions.
 
-Notation at one response position (DESIGN.md §4): the teacher's distribution p,
+Notation at one response position (docs/design.md §4): the teacher's distribution p,
 the student's q = softmax(student logits) over the full vocabulary V, a support
 S of token ids (the teacher's top-k, optionally united with extra ids such as
 the student's top-k), and the tail bucket "everything outside S".

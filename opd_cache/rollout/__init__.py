@@ -1,6 +1,7 @@
 """`opd rollout`: the student samples responses and publishes them as rollout shards.
 
-- `worker.py`        — the worker loop (`RolloutWorker`, `run_rollout`) and its shard buffer
+- `worker.py`        — the worker (`RolloutWorker`, the entry point `run_rollout`) and its shard buffer
+- `engines.py`       — which back-end `rollout.engine` names (`make_engine`)
 - `prompt_stream.py` — the deterministic, infinite stream of prompts a worker walks
 - `resume.py`        — where a restarted worker resumes (its last shard's metadata)
 - `pacing.py`        — how far rollout may run ahead of the trainer

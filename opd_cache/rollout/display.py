@@ -2,27 +2,26 @@
 
 from __future__ import annotations
 
-import sys
+from rich.console import Console
 
 from opd_cache.observe.progress import Every
 
 
 class ProgressDisplay:
-    """Samples, tokens/s, version, backlog: a rich progress bar on a terminal, a plain line every ~10 s otherwise
-    (the log file of `opd run`, a redirected stderr). Silent when not `enabled` (library use)."""
+    """Samples, tokens/s, version, backlog on `console`: a rich progress bar on a terminal, a plain line every
+    ~10 s otherwise (the log file of `opd run`, a redirected stderr). Silent without a console (library use)."""
 
-    def __init__(self, enabled: bool, total: int | None, done: int, label: str = "rollout"):
+    def __init__(self, console: Console | None, total: int | None, done: int, label: str = "rollout"):
+        self.console = console
         self.progress = None
         self.plain = None
         self.label = label
         self.total = total
         self.fields = dict(completed=done, tps=0.0, version=0, backlog=0, state="")
-        if not enabled:
+        if console is None:
             return
-        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        console = Console(stderr=True)
         if not console.is_terminal:
             self.plain = Every()
             return
@@ -52,7 +51,7 @@ class ProgressDisplay:
             print(
                 f"{self.label}: {f['completed']}{of_total} samples, {f['tps']:.0f} tok/s, policy v{f['version']}, "
                 f"backlog {f['backlog']}" + (f" ({f['state']})" if f["state"] else ""),
-                file=sys.stderr,
+                file=self.console.file,
                 flush=True,
             )
 

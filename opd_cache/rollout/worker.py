@@ -37,15 +37,18 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+from rich.console import Console
 
-from opd_cache.config import RolloutConfig
-from opd_cache.engine import SampleRequest, engine_fields
+from opd_cache.config import Config, RolloutConfig
+from opd_cache.engine import Generator, SampleRequest, engine_fields
 from opd_cache.flow.staleness import is_too_stale
 from opd_cache.observe.metrics import MetricsLog
 from opd_cache.rollout.display import ProgressDisplay
+from opd_cache.rollout.engines import make_engine
 from opd_cache.rollout.pacing import BacklogGauge
 from opd_cache.rollout.policy import CorruptPolicyError, PolicyFiles, check_policy_tokenizer, student_id
 from opd_cache.rollout.prompt_stream import PromptStream, batch_seed
@@ -57,13 +60,18 @@ from opd_cache.storage.store import RunManifest, Store, make_shard_id, validate_
 from opd_cache.tasks.prompts import PromptSet, load_prompts
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["RolloutResult", "RolloutWorker", "ShardBuffer", "make_engine", "run_rollout"]
+
 
 @dataclass
 class RolloutResult:
     shards: list[str] = field(default_factory=list)  # shard ids written by this call
     samples: int = 0  # rows written by this call
     tokens: int = 0  # response tokens written by this call
-    seconds: float = 0.0  # wall time of the call, model load included
+    seconds: float = 0.0  # wall time of the loop (`run()`, after the model loaded)
     generate_seconds: float = 0.0  # time inside engine.generate
     cursor: int = 0  # stream position at the end
     total_samples: int = 0  # rows this worker has published in all its runs
@@ -73,14 +81,19 @@ class RolloutResult:
 
 # ---------------------------------------------------------------- rows waiting to be published
 class ShardBuffer:
-    """Rows of whole prompts, accumulated batch by batch until the next flush."""
+    """Rows of whole prompts, accumulated batch by batch until the next flush (`clear` empties it)."""
+
+    student_topk: int  # columns of the student's top-k ids recorded per position (0: none)
+    columns: dict[str, list]  # rollout column -> one value per buffered row
+    tokens: int  # response tokens buffered
+    started: float  # monotonic time the shard's first batch started (flush_seconds counts from it)
 
     def __init__(self, student_topk: int):
         self.student_topk = student_topk
         self.clear()
 
     def clear(self) -> None:
-        self.columns: dict[str, list] = {
+        self.columns = {
             name: []
             for name in (
                 "prompt_index",
@@ -137,72 +150,56 @@ class ShardBuffer:
         )
 
 
-# ---------------------------------------------------------------- engines and policies
-def make_engine(cfg: RolloutConfig, model_path: str, tokenizer):
-    """The generation engine named by `cfg.engine`, loaded from `model_path`."""
-    if cfg.engine == "vllm":
-        from opd_cache.rollout.vllm_generate import VLLMGenerator
-
-        # cfg.dtype by name: vLLM's "auto" would load float32 weights in bfloat16 on its CPU back-end
-        return VLLMGenerator(
-            model_path,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            dtype=cfg.dtype,
-            seed=cfg.seed,
-            max_logprobs=max(20, cfg.student_topk),
-            trust_remote_code=cfg.trust_remote_code,
-        )
-    from opd_cache.rollout.hf_generate import HFGenerator
-
-    engine = HFGenerator(
-        model_path,
-        tokenizer=tokenizer,
-        device=cfg.device,
-        dtype=cfg.dtype,
-        attn_implementation=cfg.attn_implementation,
-        eos_token_ids=_eos_ids(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        vocab_limit=len(tokenizer),
-        seed=cfg.seed,
-        trust_remote_code=cfg.trust_remote_code,
-    )
-    output_layer = engine.model.get_output_embeddings()
-    model_vocab = output_layer.weight.shape[0] if output_layer is not None else engine.model.config.vocab_size
-    if model_vocab < len(tokenizer):
-        raise ValueError(
-            f"student {model_path}: the model's output layer has {model_vocab} rows but the tokenizer "
-            f"has {len(tokenizer)} tokens"
-        )
-    return engine
-
-
-def _eos_ids(tokenizer) -> list[int]:
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer {tokenizer.name_or_path}: no eos_token, so responses could never stop")
-    return [tokenizer.eos_token_id]
-
-
 # ---------------------------------------------------------------- the worker loop
 class RolloutWorker:
-    """One rollout worker: `run()` samples and publishes until its stop condition (module docstring, steps 1-5).
+    """One rollout worker: `__init__` runs phases 1-3 of the module docstring, `run()` the loop (4-5).
 
     Every piece of loop state is an attribute, so `flush`, `finished` and the pacing checks read the same
     numbers the loop advances.
     """
 
+    # the configuration
+    cfg: RolloutConfig  # config.rollout
+    max_staleness: int  # the configuration's one bound (flow/staleness.py): sampling pauses beyond it
+    store: Store
+    worker: str  # this worker's id in shard ids (rollout.worker_id)
+    stop: threading.Event  # set (SIGINT/SIGTERM in the CLI): flush what is buffered and return
+    # 1. inputs, checked against run.json before anything is written
+    tokenizer: PreTrainedTokenizerBase  # the student's, left-padded
+    prompts: PromptSet
+    fingerprint: str  # the tokenizer's, recorded in run.json and every shard
+    student_topk: int  # student top-k ids recorded per position (0: none)
+    # 2. the newest policy, and run.json
+    policies: PolicyFiles  # published versions, checked before they load (policy.py)
+    hold: VersionHold  # keeps retention off the version being sampled (storage/retention.py)
+    version: int  # the policy version loaded
+    engine: Generator  # rollout.engine (engines.py)
+    run_manifest: RunManifest
+    # 3. where this worker resumes, from its own last shard (resume.py)
+    cursor: int  # position in the prompt stream
+    total_samples: int  # rows this worker has published in all its runs
+    seq: int  # sequence number of its next shard
+    stream: PromptStream
+    prompt_limit: int | None  # stream position to stop at (one pass over the prompts when no limit is given)
+    metrics: MetricsLog
+    # the loop's state: pacing, the rows waiting to be published, reporting
+    backlog_gauge: BacklogGauge  # unconsumed rows and the trainer's remaining demand (pacing.py)
+    backlog: int  # the gauge's last reading
+    buffer: ShardBuffer
+    prompts_per_shard: int  # a shard holds whole prompts: ceil(flush_rows / n)
+    result: RolloutResult  # what this call published
+    display: ProgressDisplay
+
     def __init__(
-        self, cfg: RolloutConfig, store: Store, *, stop: threading.Event | None = None, show_progress: bool = False
+        self, config: Config, store: Store, *, stop: threading.Event | None = None, console: Console | None = None
     ):
-        self.cfg, self.store = cfg, store
+        cfg = self.cfg = config.rollout
+        self.max_staleness, self.store = config.max_staleness, store
         self.stop = stop or threading.Event()
-        self.show_progress = show_progress
         self.worker = validate_worker_id(cfg.worker_id)
         if cfg.prompts is None:
             raise ValueError("--prompts is required (a parquet, JSONL or datasets file of prompts)")
 
-    # ------------------------------------------------------------ phases 1-3: inputs, policy, resume
-    def _setup(self) -> None:
-        cfg, store = self.cfg, self.store
         # 1. Inputs first: a bad prompt file or tokenizer fails before anything is written.
         run = store.manifest.read() or RunManifest()
         student = cfg.student or run.student
@@ -214,44 +211,27 @@ class RolloutWorker:
             cfg.prompts, self.tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, truncate=cfg.truncate_prompts
         )
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
-        self.student_topk = cfg.student_topk or run.student_topk or 0
-        if self.student_topk > len(self.tokenizer):
-            raise ValueError(
-                f"student_topk {self.student_topk} is larger than the vocabulary ({len(self.tokenizer)} tokens)"
-            )
+        self.student_topk = self._student_topk(run)
         run_fields = dict(
             student=student,
             tokenizer_fingerprint=self.fingerprint,
             vocab_size=len(self.tokenizer),
             student_topk=self.student_topk or None,
         )
-        store.manifest.check(run, **run_fields)  # fail before loading a model; ensure_run checks again
+        store.manifest.check(run, **run_fields)  # fail before loading a model; ensure checks again
 
         # 2. The newest policy; run.json is written only once the model has loaded.
         self.policies = PolicyFiles(store, student)
-        # the trainer's retention keeps the version this worker samples with (opd_cache/storage/retention.py)
         self.hold = VersionHold(store, f"rollout-{self.worker}", ttl_s=max(120.0, 30 * cfg.poll_seconds))
-        while True:
-            self.version, path = self.policies.newest_intact(store.latest_version())
-            self.hold.hold(self.version)
-            try:
-                self.engine = make_engine(cfg, path, self.tokenizer)
-                break
-            except OSError:
-                if self.version == 0 or store.is_published(self.version):
-                    raise
-                # retention deleted it between LATEST and the hold (a newer version is out): load that one
-        self.policies.release(self.version)
+        self.version, self.engine = self._load_newest_policy()
         self.run_manifest = store.manifest.ensure(**run_fields)
 
         # 3. Resume from this worker's last shard.
         resume = resume_point(store, self.worker, self.run_manifest, cfg.seed, len(self.prompts))
         self.cursor, self.total_samples, self.seq = resume.cursor, resume.samples, resume.next_seq
         self.stream = PromptStream(len(self.prompts), cfg.seed, self.worker)
-        self.prompt_limit = None  # stream position to stop at
-        if cfg.max_samples is None and cfg.max_shards is None and not cfg.follow:
-            self.prompt_limit = len(self.prompts)  # one pass over the prompts
-
+        one_pass = cfg.max_samples is None and cfg.max_shards is None and not cfg.follow
+        self.prompt_limit = len(self.prompts) if one_pass else None
         self.metrics = MetricsLog(store, "rollout", self.worker)
         for shard_id in resume.quarantined:  # its prompts are sampled again from `cursor` on
             self.metrics.log(
@@ -263,19 +243,45 @@ class RolloutWorker:
                 },
                 flush=True,
             )
+
+        # The loop's state: pacing, the buffer of rows, what this call publishes, the progress display.
         self.backlog_gauge = BacklogGauge(store)
+        self.backlog = 0
         self.buffer = ShardBuffer(self.student_topk)
+        self.prompts_per_shard = math.ceil(cfg.flush_rows / cfg.n)
         self.result = RolloutResult(
             cursor=self.cursor,
             total_samples=self.total_samples,
             policy_version=self.version,
             skipped_prompts=self.prompts.num_skipped_too_long,
         )
-        self.display = ProgressDisplay(
-            self.show_progress, cfg.max_samples, self.total_samples, label=f"rollout {self.worker}"
-        )
-        self.backlog = 0
-        self.prompts_per_shard = math.ceil(cfg.flush_rows / cfg.n)
+        self.display = ProgressDisplay(console, cfg.max_samples, self.total_samples, label=f"rollout {self.worker}")
+
+    # ------------------------------------------------------------ builders of __init__
+    def _student_topk(self, run: RunManifest) -> int:
+        """The flag's, else the run's (0: none); no larger than the vocabulary."""
+        student_topk = self.cfg.student_topk or run.student_topk or 0
+        if student_topk > len(self.tokenizer):
+            raise ValueError(
+                f"student_topk {student_topk} is larger than the vocabulary ({len(self.tokenizer)} tokens)"
+            )
+        return student_topk
+
+    def _load_newest_policy(self) -> tuple[int, Generator]:
+        """The newest intact published version (the configured student is version 0), held and loaded."""
+        while True:
+            version, path = self.policies.newest_intact(self.store.latest_version())
+            # the trainer's retention keeps the version this worker samples with (opd_cache/storage/retention.py)
+            self.hold.hold(version)
+            try:
+                engine = make_engine(self.cfg, path, self.tokenizer)
+                break
+            except OSError:
+                if version == 0 or self.store.is_published(version):
+                    raise
+                # retention deleted it between LATEST and the hold (a newer version is out): load that one
+        self.policies.release(version)
+        return version, engine
 
     # ------------------------------------------------------------ the loop's steps
     def flush(self) -> None:
@@ -330,7 +336,7 @@ class RolloutWorker:
     def must_wait(self) -> bool:
         """Too far ahead of the trainer: backlog over the buffer, policy too stale, or demand covered."""
         self.backlog = self.backlog_gauge.backlog()
-        too_stale = is_too_stale(self.version, self.store.latest_version(), self.cfg.max_staleness)
+        too_stale = is_too_stale(self.version, self.store.latest_version(), self.max_staleness)
         return self.backlog > self.cfg.max_buffer_samples or too_stale or self.demand_covered()
 
     def demand_covered(self) -> bool:
@@ -395,7 +401,6 @@ class RolloutWorker:
 
     # ------------------------------------------------------------ phase 4-5: the loop
     def run(self) -> RolloutResult:
-        self._setup()
         started = time.monotonic()
         cfg, buffer = self.cfg, self.buffer
         try:
@@ -434,7 +439,11 @@ class RolloutWorker:
 
 
 def run_rollout(
-    cfg: RolloutConfig, store: Store, *, stop: threading.Event | None = None, show_progress: bool = False
+    cfg: Config, store: Store, *, stop: threading.Event | None = None, console: Console | None = None
 ) -> RolloutResult:
-    """Run one rollout worker until its stop condition; returns what this call published."""
-    return RolloutWorker(cfg, store, stop=stop, show_progress=show_progress).run()
+    """Run one rollout worker until its stop condition; returns what this call published.
+
+    `stop`: set, the worker flushes what is buffered and returns. `console`: where the progress goes (a bar on a
+    terminal, else a plain line every ~10 s); None: no progress.
+    """
+    return RolloutWorker(cfg, store, stop=stop, console=console).run()

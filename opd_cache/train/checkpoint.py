@@ -74,8 +74,6 @@ from opd_cache.storage.layout import TRAIN_CONSUMED, TRAIN_SKIPPED, TRAIN_STATE
 from opd_cache.storage.retention import prune_states
 from opd_cache.storage.store import COMPLETE_MARKER, Store, StoreError, iter_jsonl
 
-state_rel = layout.state_dir  # the name train/trainer.py imports (issue #30: it moves to layout.state_dir at merge)
-
 
 def complete_states(store: Store) -> list[int]:
     """Steps of the resume states whose `_COMPLETE` marker exists, oldest first."""

@@ -18,17 +18,21 @@ the trainer's consumed ledger (train/consumed/step-N.jsonl) then holds each epoc
 
 from __future__ import annotations
 
+import threading
 import zlib
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from rich.console import Console
 
+from opd_cache.config import Config
 from opd_cache.storage.store import RUN_JSON, RunManifest, ShardInfo, Store
+from opd_cache.train.distributed import DistEnv, init_distributed
 from opd_cache.train.shard_data import ShardCache, ShardData, required_teachers
 from opd_cache.train.stream import GlobalBatch, StreamCursor, StreamEnd
-from opd_cache.train.trainer import Trainer
+from opd_cache.train.trainer import Trainer, TrainResult
 
 
 @dataclass
@@ -151,6 +155,15 @@ class ReplayCache:
         pass
 
 
+@dataclass
+class ReplayCursor(StreamCursor):
+    """The trainer's counters (StreamCursor's fields) plus where the replay is: `current` is the key
+    (`<source index>:<shard id>`) of the shard being read, `current_rows` its selected rows handed out."""
+
+    epoch: int = 0
+    position: int = 0  # index of `current` in the epoch's shard order
+
+
 class ReplayStream:
     """Global batches from `epochs` passes over the selected rows. Runs on rank 0 only (in the loader thread)."""
 
@@ -162,13 +175,12 @@ class ReplayStream:
         *,
         batch_samples: int | None,
         batch_tokens: int | None,
-        cursor: dict | None = None,
+        cursor: ReplayCursor | None = None,
     ):
         self.cache, self.spec = cache, spec
         self.batch_samples, self.batch_tokens = batch_samples, batch_tokens
         self.keys = [f"{i}:{s.shard_id}" for i, source in enumerate(sources) for s in source.shards]
-        # the trainer's counters (StreamCursor's fields) plus where this replay is
-        self.cursor = {**StreamCursor().to_dict(), "epoch": 0, "position": 0, "current_rows": 0, **(cursor or {})}
+        self.cursor = cursor or ReplayCursor()
         self.on_event = lambda message: None
         self.on_wait = None
         self._orders: dict[int, list[str]] = {}
@@ -199,15 +211,15 @@ class ReplayStream:
         c = self.cursor
         parts: list[tuple[str, np.ndarray, ShardData]] = []
         taken_rows = taken_tokens = 0
-        while c["epoch"] < self.spec.epochs:
-            order = self.order(c["epoch"])
-            if c["position"] >= len(order):
-                c["epoch"], c["position"], c["current_rows"] = c["epoch"] + 1, 0, 0
+        while c.epoch < self.spec.epochs:
+            order = self.order(c.epoch)
+            if c.position >= len(order):
+                c.epoch, c.position, c.current_rows = c.epoch + 1, 0, 0
                 continue
-            key = order[c["position"]]
+            key = order[c.position]
             data = self.cache.get(key)
-            selected = self.rows(key, data, c["epoch"])
-            remaining = selected[c["current_rows"] :]
+            selected = self.rows(key, data, c.epoch)
+            remaining = selected[c.current_rows :]
             if self.batch_samples is not None:
                 rows = remaining[: self.batch_samples - taken_rows]
             else:
@@ -218,18 +230,18 @@ class ReplayStream:
                 parts.append((key, rows, data))
                 taken_rows += len(rows)
                 taken_tokens += int((data.prompt_lengths[rows] + data.response_lengths[rows]).sum())
-            c["current"], c["current_rows"] = key, c["current_rows"] + len(rows)
-            if c["current_rows"] >= len(selected):
-                c["position"], c["current_rows"] = c["position"] + 1, 0
+            c.current, c.current_rows = key, c.current_rows + len(rows)
+            if c.current_rows >= len(selected):
+                c.position, c.current_rows = c.position + 1, 0
             if self.batch_samples is not None:
                 full = taken_rows >= self.batch_samples
             else:
                 full = len(rows) < len(remaining) or taken_tokens >= self.batch_tokens
             if full:
                 break
-        c["trained_samples"] += taken_rows
+        c.trained_samples += taken_rows
         if not taken_rows:
-            return StreamEnd(f"replayed {self.spec.epochs} epoch(s)", dict(c))
+            return StreamEnd("epochs_done", f"replayed {self.spec.epochs} epoch(s)", c.copy())
         return self._assemble(step, version, parts)
 
     def _assemble(self, step: int, version: int, parts: list) -> GlobalBatch:
@@ -250,7 +262,7 @@ class ReplayStream:
             ),
             sample_ids=sample_ids,
             teachers=teachers,
-            cursor=dict(self.cursor),
+            cursor=self.cursor.copy(),
         )
 
 
@@ -265,11 +277,25 @@ def steps_for_epochs(sources: list[Source], spec: ReplaySpec, batch_samples: int
 class ReplayTrainer(Trainer):
     """`Trainer` with its data from the replay's sources instead of its own store's stream."""
 
-    def __init__(self, config, env, spec: ReplaySpec, sources: list[Source], console=None):
-        self.spec, self.sources = spec, sources
-        super().__init__(config, env, console=console)
+    cursor_type = ReplayCursor
+    spec: ReplaySpec
+    sources: list[Source]
 
-    def make_data(self):
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        env: DistEnv,
+        spec: ReplaySpec,
+        sources: list[Source],
+        *,
+        stop: threading.Event | None = None,
+        console: Console | None = None,
+    ):
+        self.spec, self.sources = spec, sources
+        super().__init__(config, store, env, stop=stop, console=console)
+
+    def make_data(self) -> tuple[ReplayCache, ReplayStream | None]:
         cache = ReplayCache(self.sources)
         stream = None
         if self.env.rank == 0:
@@ -279,34 +305,35 @@ class ReplayTrainer(Trainer):
                 self.spec,
                 batch_samples=self.cfg.global_batch_samples,
                 batch_tokens=self.cfg.global_batch_tokens,
-                cursor=self.cursor,
+                cursor=self.position.cursor.copy(),  # the stream moves its own copy ahead
             )
         return cache, stream
 
-    def _finish(self, stopped: str) -> None:
-        super()._finish(stopped)
-        if self.env.rank == 0 and stopped.startswith("replayed"):  # every epoch done: finished, like max_steps
-            self.store.mark_done(f"{stopped} at step {self.step}")
 
-
-def replay(config, spec: ReplaySpec, console=None, *, steps_from_epochs: bool = False):
-    """Check the sources, create the replay store's run.json, and train (single process or a torchrun rank).
+def run_replay(
+    config: Config,
+    store: Store,
+    spec: ReplaySpec,
+    *,
+    stop: threading.Event | None = None,
+    console: Console | None = None,
+    steps_from_epochs: bool = False,
+) -> TrainResult:
+    """Check the sources, create the replay store's run.json in `store`, and train (single process or a torchrun
+    rank): `run_train`'s signature, plus what to replay. When every epoch is done the run is finished (train/DONE).
 
     `steps_from_epochs`: no step limit was given, so train.max_steps becomes what the epochs need.
     """
-    from opd_cache.train.distributed import init_distributed
-
     if config.train.support == "union":
         raise ValueError("--support union is not available for replay yet: use --support teacher")
     sources = open_sources(spec)
     if steps_from_epochs and config.train.global_batch_samples is not None:
         config.train.max_steps = steps_for_epochs(sources, spec, config.train.global_batch_samples)
-    store = Store(config.store.uri, s3_endpoint=config.store.s3_endpoint)
     env = init_distributed(config.train.device)
     try:
         if env.rank == 0:
             prepare_replay_store(store, spec, sources, config.train.student)
         env.barrier()
-        return ReplayTrainer(config, env, spec, sources, console=console).run()
+        return ReplayTrainer(config, store, env, spec, sources, stop=stop, console=console).run()
     finally:
         env.close()

@@ -1,6 +1,6 @@
 """The streaming reader: which rows train at which optimizer step.
 
-Rules (DESIGN.md §5, §6):
+Rules (docs/design.md §5, §6):
 
 * A rollout shard is *admissible* when the part of every required teacher
   exists (`annotated/v<version>/<id>/<teacher>.arrow`; the required teachers come from
@@ -16,8 +16,9 @@ Rules (DESIGN.md §5, §6):
   counted and written to `train/skipped/<shard_id>.jsonl`, never dropped
   silently. Rows routed to no teacher are skipped the same way ("unrouted").
 * When nothing is admissible: with `follow` the stream polls the store (and
-  gives up after `idle_timeout` seconds without progress, if set); without it
-  the stream trains what is there (a last partial batch included) and ends.
+  gives up after `idle_timeout` seconds without progress, if set, or when its
+  `stop` event is set); without it the stream trains what is there (a last
+  partial batch included) and ends. Why it ended is a `StopKind`.
 
 The version V of a step is known in advance (the trainer publishes every
 `publish_every` steps), so the stream can run ahead of the trainer in a
@@ -33,9 +34,11 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -60,6 +63,7 @@ class StreamCursor:
     lost_shards: int = 0
 
     def to_dict(self) -> dict:
+        """The cursor as JSON-ready data: only resume states (trainer.json) and progress.json hold it so."""
         return asdict(self)
 
     @classmethod
@@ -67,7 +71,20 @@ class StreamCursor:
         return cls(**(d or {}))
 
     def copy(self) -> StreamCursor:
-        return StreamCursor.from_dict(json.loads(json.dumps(self.to_dict())))
+        return type(self).from_dict(json.loads(json.dumps(self.to_dict())))
+
+
+# Why training stopped: the trainer's step budget, or why its stream of batches ended (StreamEnd.kind).
+StopKind = Literal[
+    "max_steps",  # train.max_steps reached
+    "no_data",  # without follow: nothing admissible is left
+    "idle_timeout",  # with follow: nothing admissible for train.idle_timeout seconds
+    "part_missing",  # without follow: a part of the partly trained shard was quarantined
+    "stop_requested",  # the caller's stop event
+    "epochs_done",  # `opd replay`: every epoch handed out
+]
+# the kinds after which the trainer writes train/DONE (idle_timeout only with follow: train.idle_timeout)
+FINISHED_KINDS: tuple[StopKind, ...] = ("max_steps", "epochs_done")
 
 
 @dataclass
@@ -84,7 +101,7 @@ class GlobalBatch:
     row_version: np.ndarray  # [n] int32 policy version that generated the row
     sample_ids: list[str]
     teachers: list[str]
-    cursor: dict  # StreamCursor after this batch
+    cursor: StreamCursor  # after this batch (a copy: the stream moves on)
     expired_rows: int = 0  # rows that expired while this batch was assembled
     wait_seconds: float = 0.0  # time spent waiting for admissible data
     # filled by assign_ranks
@@ -113,10 +130,11 @@ class GlobalBatch:
 
 @dataclass
 class StreamEnd:
-    """No more batches: why, and the cursor after the last expirations."""
+    """No more batches: why (`kind`, and `reason` in words), and the cursor after the last expirations."""
 
+    kind: StopKind
     reason: str
-    cursor: dict
+    cursor: StreamCursor
     expired_rows: int = 0
 
 
@@ -145,6 +163,7 @@ class ShardStream:
         idle_timeout: float | None = None,
         cursor: StreamCursor | None = None,
         on_wait: Callable[[], None] | None = None,
+        stop: threading.Event | None = None,
     ):
         if (batch_samples is None) == (batch_tokens is None):
             raise ValueError("set exactly one of train.global_batch_samples and train.global_batch_tokens")
@@ -154,13 +173,14 @@ class ShardStream:
         self.follow, self.poll_seconds, self.idle_timeout = follow, poll_seconds, idle_timeout
         self.cursor = cursor or StreamCursor()
         self.on_wait = on_wait
+        self.stop = stop or threading.Event()  # set: the stream ends at its next batch (or wait)
         self._finished = set(self.cursor.finished)
         self._listing: list[ShardInfo] = []
         self._parts: dict[str, set[str]] = {}
         self._watch = ShardWatch(store, parts=True)  # lists the staleness window, not the run's history
         self._newest_at_start: int | None = None  # a resumed trainer may find shards newer than its version
         self._listed_at = -1e18
-        self._ended: str | None = None  # why the stream ended
+        self._ended: tuple[StopKind, str] | None = None  # why the stream ended, and in words
         self._expired_since_batch = 0
         self.on_event: Callable[[str], None] = lambda message: print(message, file=sys.stderr)
         self._missing_part: str | None = None  # a quarantined part of the partly consumed shard
@@ -199,8 +219,10 @@ class ShardStream:
     # ------------------------------------------------------------ batches
     def next_batch(self, step: int, version: int) -> GlobalBatch | StreamEnd:
         """The rows of step `step` (trained at policy version `version`); blocks while waiting with `follow`."""
+        if self._ended is None and self.stop.is_set():
+            self._ended = ("stop_requested", "stop requested")
         if self._ended:
-            return StreamEnd(self._ended, self.cursor.to_dict())
+            return StreamEnd(*self._ended, self.cursor.copy())
         builder = _Builder()
         waited = 0.0
         idle_start = time.monotonic()
@@ -213,15 +235,17 @@ class ShardStream:
                     info = self._next_shard(version)
                 if info is None:
                     if not self.follow:
-                        self._ended = "no more admissible data"
+                        self._ended = ("no_data", "no more admissible data")
                         break
                     if self.idle_timeout is not None and time.monotonic() - idle_start > self.idle_timeout:
-                        self._ended = f"no admissible data for {self.idle_timeout:g} s (idle timeout)"
+                        self._ended = ("idle_timeout", f"no admissible data for {self.idle_timeout:g} s (idle timeout)")
                         break
                     t0 = time.monotonic()
                     if self.on_wait is not None:
                         self.on_wait()
-                    time.sleep(self.poll_seconds)
+                    if self.stop.wait(self.poll_seconds):
+                        self._ended = ("stop_requested", "stop requested")
+                        break
                     waited += time.monotonic() - t0
                     continue
                 self.cursor.current, self.cursor.current_rows = info.shard_id, 0
@@ -229,7 +253,7 @@ class ShardStream:
                 idle_start = time.monotonic()
         expired, self._expired_since_batch = self._expired_since_batch, 0
         if builder.rows == 0:
-            return StreamEnd(self._ended or "no more admissible data", self.cursor.to_dict(), expired)
+            return StreamEnd(*(self._ended or ("no_data", "no more admissible data")), self.cursor.copy(), expired)
         return self._assemble(step, version, builder, expired, waited)
 
     def _take(self, version: int, builder: _Builder) -> bool:
@@ -296,7 +320,8 @@ class ShardStream:
             self._missing_part = None
             return True
         if not self.follow:
-            self._ended = f"{self.store.path(self._missing_part)} is missing (quarantined): annotate it again"
+            missing = self.store.path(self._missing_part)
+            self._ended = ("part_missing", f"{missing} is missing (quarantined): annotate it again")
             builder.full = True
         else:
             time.sleep(self.poll_seconds)
@@ -409,7 +434,7 @@ class ShardStream:
             ),
             sample_ids=sample_ids,
             teachers=teachers,
-            cursor=self.cursor.copy().to_dict(),
+            cursor=self.cursor.copy(),
             expired_rows=expired,
             wait_seconds=waited,
         )

@@ -2,62 +2,56 @@
 
 Read top to bottom:
 
-1. `init_distributed` (distributed.py): one process, or one per rank under `torchrun`
-   (gloo on CPU, NCCL on GPU), plus a gloo group for the data loader's broadcasts.
-2. `check_inputs`: every bad input the trainer can detect before training,
-   each with one message naming the flag, field or file.
-3. `Trainer.__init__`: load the student, wrap it in the loss module
-   (objective.py), shard it with FSDP2 under torchrun (fsdp.py), build AdamW,
-   and resume from the newest complete state in `train/state/` if any.
-4. `Trainer.run`: take each step's decoded micro-batches from the prefetch
-   thread (loader.py), accumulate gradients over them, clip, step; then write
-   the ledger, publish a policy version every `publish_every` steps, write
-   progress, save the resume state every `save_every` steps, log metrics.
-5. At the end: publish the final weights, save the state, write `train/DONE`
-   when `max_steps` was reached (or `--follow` gave up after `idle_timeout`).
+1. `run_train` (the bottom of this file; the same signature as `run_rollout` and `run_annotate`): one process,
+   or one per rank under `torchrun` (distributed.py: gloo on CPU, NCCL on GPU, plus a gloo group for the data
+   loader's broadcasts).
+2. `check_inputs`: every bad input the trainer can detect before training, each with one message naming the
+   flag, field or file.
+3. `Trainer.__init__`, in phases: the run manifest; the tokenizer and the student, wrapped in its loss module
+   (objective.py) and sharded with FSDP2 under torchrun (fsdp.py); AdamW (optim.py); the position, resumed from
+   the newest intact state in `train/state/` if any (resume.py); the policy publisher (publish.py).
+4. `Trainer.run`: take each step's decoded micro-batches from the prefetch thread (loader.py), accumulate
+   gradients over them, clip, step; then write the ledger, publish a policy version every `publish_every`
+   steps, write progress, save the resume state every `save_every` steps, log metrics.
+5. At the end: publish the final weights, save the state, write `train/DONE` when `max_steps` was reached
+   (or `--follow` gave up after `idle_timeout`).
 
-Policy versions: the student at step s (1-based) has version
-anchor_version + (s − 1 − anchor_step) // publish_every, where the anchor is
-(0, 0) for a run without a resume state and moves when a run ends between publications.
-Knowing the version of every future step lets the stream judge staleness
-while it prefetches.
+Which policy version each step trains at: resume.py (`TrainPosition.version_of_step`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import sys
+import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+from rich.console import Console
 
 from opd_cache.config import Config, TrainConfig
 from opd_cache.flow.demand import samples_needed_total
 from opd_cache.losses import LOSSES, POLICY_GRADIENT, LossConfig
-from opd_cache.observe.metrics import MetricsLog
-from opd_cache.observe.tracking import Tracker, check_trackers, train_metrics
-from opd_cache.storage.retention import retention_pass
+from opd_cache.observe.tracking import check_trackers
+from opd_cache.storage import layout
 from opd_cache.storage.store import RUN_JSON, RunManifest, Store
-from opd_cache.train.checkpoint import (
-    CorruptStateError,
-    clear_ledger_after,
-    complete_states,
-    drop_corrupt_state,
-    load_state,
-    save_state,
-    state_rel,
-    write_consumed,
-    write_progress,
-)
+from opd_cache.train.checkpoint import save_state, write_consumed, write_progress
 from opd_cache.train.distributed import DistEnv, init_distributed
 from opd_cache.train.loader import BatchLoader, LoadedStep
 from opd_cache.train.objective import DistillationObjective
+from opd_cache.train.optim import build_optimizer, learning_rate, low_precision_dtype
 from opd_cache.train.publish import PolicyPublisher
+from opd_cache.train.resume import TrainPosition, load_newest_intact_state, sweep_after_resume
 from opd_cache.train.shard_data import ShardCache, required_teachers
+from opd_cache.train.step_log import StepLog, step_record
 from opd_cache.train.step_stats import StepStats
-from opd_cache.train.stream import ShardStream, StreamCursor, StreamEnd
+from opd_cache.train.stream import FINISHED_KINDS, ShardStream, StopKind, StreamCursor, StreamEnd
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["Trainer", "TrainResult", "check_inputs", "learning_rate", "run_train"]
 
 
 # ---------------------------------------------------------------------- 2. bad input
@@ -65,8 +59,6 @@ def check_inputs(cfg: TrainConfig, run: RunManifest, world_size: int) -> LossCon
     """Refuse what cannot work, before loading anything big; returns the validated loss options."""
     if cfg.loss not in LOSSES and cfg.loss != POLICY_GRADIENT:
         raise ValueError(f"--loss {cfg.loss!r} is not a loss; use one of {', '.join([*LOSSES, POLICY_GRADIENT])}")
-    if cfg.max_staleness < 0:
-        raise ValueError(f"--max-staleness {cfg.max_staleness}: must be >= 0 (0 = synchronous on-policy training)")
     if cfg.global_batch_samples is not None and cfg.global_batch_samples < world_size:
         raise ValueError(
             f"--global-batch-samples {cfg.global_batch_samples} is smaller than the world size "
@@ -86,101 +78,105 @@ def check_inputs(cfg: TrainConfig, run: RunManifest, world_size: int) -> LossCon
         raise ValueError(f"--loss {cfg.loss} --tail {cfg.tail}: {e}") from None
 
 
-def learning_rate(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up over `warmup_steps`, then constant or cosine decay to `min_lr` at `max_steps`."""
-    if cfg.warmup_steps and step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 @dataclass
 class TrainResult:
     step: int
     policy_version: int
-    stopped: str
+    stopped: str  # why training stopped, in words ("max_steps", or the stream's StreamEnd.reason)
     trained_samples: int
     expired_samples: int
+    stop_kind: StopKind  # why, as a value to compare (stream.py)
 
 
 # ---------------------------------------------------------------------- 3-5. the trainer
 class Trainer:
-    def __init__(self, config: Config, env: DistEnv, console=None):
+    """The student trainer: `__init__` builds its parts in the numbered phases below, `run()` trains.
+
+    `opd replay` subclasses it (train/replay.py): `make_data` and `cursor_type` say where the batches come from.
+    """
+
+    cursor_type: ClassVar[type[StreamCursor]] = StreamCursor  # the stream's position, as resume states hold it
+
+    # the configuration and this process
+    config: Config
+    cfg: TrainConfig  # config.train
+    env: DistEnv  # rank, world size, device, process groups (distributed.py)
+    console: Console | None  # rank 0's; None on the other ranks and in quiet library use
+    stop: threading.Event  # set: training ends at the next step the stream plans, published and saved
+    # 1. store and run manifest
+    store: Store
+    run_manifest: RunManifest
+    loss_config: LossConfig  # the loss options, validated against run.json
+    # 2. tokenizer and student
+    tokenizer: PreTrainedTokenizerBase
+    fingerprint: str  # the tokenizer's, which must be run.json's
+    low_precision: torch.dtype | None  # autocast (one process) or FSDP2 parameter dtype; None: float32
+    objective: DistillationObjective  # the student with its loss: the module trained (the FSDP2 root)
+    # 3. optimizer
+    optimizer: torch.optim.Optimizer
+    # 4. where training stands
+    position: TrainPosition  # step, policy version, stream cursor, version anchor (resume.py)
+    saved_step: int  # the step of the newest resume state (-1: none)
+    saved_cursor: StreamCursor | None  # its cursor
+    # 5. publication
+    publisher: PolicyPublisher  # writes policy versions in a background thread (publish.py)
+    # reporting
+    step_log: StepLog | None  # metrics, trackers, console lines: opened by `run()` on rank 0 (step_log.py)
+    _progress_counts: tuple[int, int, int] | None  # (trained, unrouted, expired) of the last progress.json
+
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        env: DistEnv,
+        *,
+        stop: threading.Event | None = None,
+        console: Console | None = None,
+    ):
         from opd_cache.models import load_causal_lm
         from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 
         self.config, self.cfg, self.env = config, config.train, env
         self.console = console if env.rank == 0 else None
-        self.metrics = self.tracker = None  # rank 0 opens them when training starts
-        self._progress_counts = None  # (trained, unrouted, expired) of the last train/progress.json written
+        self.stop = stop or threading.Event()
         cfg = self.cfg
-        self.store = Store(config.store.uri, s3_endpoint=config.store.s3_endpoint)
-        # with --follow a store without run.json yet is waited for (`opd run` starts every stage at once):
-        # the student loads meanwhile, and is checked against run.json before anything is trained
-        run = self.store.manifest.read() if cfg.follow else self.store.manifest.require()
-        if run is None and not cfg.student:
-            run = self.store.manifest.wait(cfg.poll_seconds, say=self._say)  # the student is named there
+
+        # 1. store and run manifest. With --follow a store without run.json yet is waited for (`opd run` starts
+        #    every stage at once): the student loads meanwhile, and is checked against run.json before training.
+        self.store = store
+        run = self._read_run()  # None: not there yet
         check_trackers(cfg.report_to)  # a missing tracker package fails before the model loads
-        student = cfg.student or run.student
-        if not student:
-            raise ValueError("no student model: pass --student PATH (run.json has no 'student' either)")
+        student = self._student(run)
+
+        # 2. tokenizer and student, checked against run.json before the model loads when run.json exists
         self.tokenizer = load_tokenizer(student, trust_remote_code=cfg.trust_remote_code)
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
-        if run is not None:
-            self._check_run(run, student)  # before the model loads
+        loss_config = self._check_run(run, student) if run is not None else None
         torch.manual_seed(cfg.seed)
-
-        # model, loss module, sharding, optimizer
         model = load_causal_lm(student, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
         if run is None:
             run = self.store.manifest.wait(cfg.poll_seconds, say=self._say)
-            self._check_run(run, student)
-        self.run_manifest = run
-        if cfg.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.objective = DistillationObjective(model, self.loss_config)
-        self.low_precision = self._low_precision_dtype()
-        self.objective.to(env.device)
-        if env.distributed:
-            from opd_cache.train.fsdp import apply_fsdp
+            loss_config = self._check_run(run, student)
+        self.run_manifest, self.loss_config = run, loss_config
+        self.low_precision = low_precision_dtype(cfg.mixed_precision, env.device)
+        self.objective = self._build_objective(model)
 
-            apply_fsdp(self.objective, env.mesh, param_dtype=self.low_precision)
-        self.optimizer = torch.optim.AdamW(
-            self.objective.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
-        )
+        # 3. optimizer
+        self.optimizer = build_optimizer(self.objective, cfg)
 
-        # resume
-        self.step, self.saved_step, self.saved_cursor = 0, -1, None
-        # Without a resume state the model is the student, version 0, even when LATEST is higher: a trainer
-        # killed after its first publication but before its first state starts over, re-deriving versions
-        # 1, 2, ... (publish_version keeps what exists, LATEST never moves back). Counting on from LATEST
-        # instead would number the student's weights as a later version.
-        self.store.latest_version()  # a LATEST naming a missing version fails here, before training
-        self.version = 0
-        self.anchor_step, self.anchor_version, self.published_step = 0, self.version, 0
-        self.cursor = StreamCursor().to_dict()
-        state = self._load_newest_intact_state()
-        if state is not None:
-            self.step = self.saved_step = state["step"]
-            self.version, self.cursor = state["policy_version"], state["cursor"]
-            self.saved_cursor = self.cursor
-            self.anchor_step, self.anchor_version = state["anchor_step"], state["anchor_version"]
-            self.published_step = state["published_step"]
-            if self.console:
-                self.console.print(
-                    f"resuming from {self.store.path(state_rel(self.step))} "
-                    f"(step {self.step}, policy version {self.version})"
-                )
+        # 4. where training stands: the newest intact resume state, or step 0 at version 0
+        resumed = self._resume()
+        self.position = resumed or TrainPosition(cursor=self.cursor_type())
+        self.saved_step, self.saved_cursor = (resumed.step, resumed.cursor) if resumed else (-1, None)
         if env.rank == 0:
-            clear_ledger_after(self.store, self.step, self.cursor["finished"])
-            swept = self.store.remove_stale_tmp()  # what killed writers of any stage left, over an hour ago
+            swept = sweep_after_resume(
+                self.store, self.position, keep_versions=cfg.keep_versions, keep_states=cfg.keep_states
+            )
             if swept and self.console:
                 self.console.print(f"removed {len(swept)} temporary file(s) left by killed writers, e.g. {swept[0]}")
-            retention_pass(self.store, cfg.keep_versions, cfg.keep_states)  # finishes a pass a kill cut short
         env.barrier()
-        # policy versions are written in the background (train/publish.py); the state gather stays a collective
+
+        # 5. publication: policy versions are written in the background; the state's gather stays a collective
         self.publisher = PolicyPublisher(
             self.store,
             self.objective.model,
@@ -190,70 +186,75 @@ class Trainer:
             rank=env.rank,
             distributed=env.distributed,
         )
+        self.step_log = None
+        self._progress_counts = None
 
-    def _check_run(self, run: RunManifest, student: str) -> None:
-        """The trainer's configuration and student against run.json; sets the loss configuration."""
-        cfg = self.cfg
-        self.loss_config = check_inputs(cfg, run, self.env.world_size)
+    # ------------------------------------------------------------------ builders of __init__
+    def _read_run(self) -> RunManifest | None:
+        """run.json; with --follow None while it is not there yet (waited for now only when it names the student)."""
+        if not self.cfg.follow:
+            return self.store.manifest.require()
+        run = self.store.manifest.read()
+        if run is None and not self.cfg.student:
+            run = self.store.manifest.wait(self.cfg.poll_seconds, say=self._say)  # the student is named there
+        return run
+
+    def _student(self, run: RunManifest | None) -> str:
+        student = self.cfg.student or (run.student if run is not None else None)
+        if not student:
+            raise ValueError("no student model: pass --student PATH (run.json has no 'student' either)")
+        return student
+
+    def _check_run(self, run: RunManifest, student: str) -> LossConfig:
+        """The trainer's configuration and student against run.json; returns the validated loss options."""
+        loss_config = check_inputs(self.cfg, run, self.env.world_size)
         if run.tokenizer_fingerprint and run.tokenizer_fingerprint != self.fingerprint:
             raise ValueError(
                 f"--student {student}: its tokenizer (fingerprint {self.fingerprint}) is not the run's "
                 f"({run.tokenizer_fingerprint} in {self.store.path(RUN_JSON)}); "
                 f"train the student whose tokenizer sampled the rollouts"
             )
-        if not required_teachers(run) and not cfg.follow:
+        if not required_teachers(run) and not self.cfg.follow:
             raise ValueError(
                 f"{self.store.path(RUN_JSON)} names no teachers: run `opd annotate` on this store "
                 f"first, or pass --follow to wait for it"
             )
+        return loss_config
+
+    def _build_objective(self, model: torch.nn.Module) -> DistillationObjective:
+        """The student wrapped with its loss, on the device; sharded with FSDP2 under torchrun."""
+        if self.cfg.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        objective = DistillationObjective(model, self.loss_config)
+        objective.to(self.env.device)
+        if self.env.distributed:
+            from opd_cache.train.fsdp import apply_fsdp
+
+            apply_fsdp(objective, self.env.mesh, param_dtype=self.low_precision)
+        return objective
+
+    def _resume(self) -> TrainPosition | None:
+        """The position of the newest intact resume state, loaded into the model and optimizer (None: none)."""
+        self.store.latest_version()  # a LATEST naming a missing version fails here, before training
+        state = load_newest_intact_state(self.store, self.objective, self.optimizer, rank=self.env.rank)
+        if state is None:
+            return None
+        position = TrainPosition.from_state(state, self.cursor_type)
+        if self.console:
+            self.console.print(
+                f"resuming from {self.store.path(layout.state_dir(position.step))} "
+                f"(step {position.step}, policy version {position.version})"
+            )
+        return position
 
     def _say(self, message: str) -> None:
         if self.console:
             self.console.print(message, highlight=False, soft_wrap=True)
 
-    def _load_newest_intact_state(self) -> dict | None:
-        """trainer.json of the newest complete resume state whose files pass their checksums, loaded.
-
-        A damaged state is quarantined (rank 0) and never loaded, not even in part; the previous one is tried.
-        """
-        for step in reversed(complete_states(self.store)):
-            try:
-                return load_state(self.store, step, self.objective, self.optimizer, rank=self.env.rank)
-            except CorruptStateError as e:
-                if self.env.rank == 0:
-                    drop_corrupt_state(self.store, e)
-                    print(
-                        f"warning: resume state step {step} is damaged ({e}): quarantined; trying the previous "
-                        f"complete state",
-                        file=sys.stderr,
-                    )
-        return None
-
-    def _low_precision_dtype(self) -> torch.dtype | None:
-        mode, device = self.cfg.mixed_precision, self.env.device
-        if mode == "bf16":
-            return torch.bfloat16
-        if mode == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return None
-
     def version_of_step(self, step: int) -> int:
-        return self.anchor_version + (step - 1 - self.anchor_step) // self.cfg.publish_every
+        return self.position.version_of_step(step, self.cfg.publish_every)
 
-    def trainer_state(self) -> dict:
-        return {
-            "step": self.step,
-            "policy_version": self.version,
-            "cursor": self.cursor,
-            "anchor_step": self.anchor_step,
-            "anchor_version": self.anchor_version,
-            "published_step": self.published_step,
-            "world_size": self.env.world_size,
-            "loss": self.cfg.loss,
-            "time": round(time.time(), 3),
-        }
-
-    def make_data(self):
+    def make_data(self) -> tuple[ShardCache, ShardStream | None]:
         """The shard cache (every rank) and the batch stream (rank 0, else None); `opd replay` overrides it."""
         cfg = self.cfg
         cache = ShardCache(
@@ -265,62 +266,71 @@ class Trainer:
                 self.store,
                 self.run_manifest,
                 cache,
-                max_staleness=cfg.max_staleness,
+                max_staleness=self.config.max_staleness,
                 batch_samples=cfg.global_batch_samples,
                 batch_tokens=cfg.global_batch_tokens,
                 follow=cfg.follow,
                 poll_seconds=cfg.poll_seconds,
                 idle_timeout=cfg.idle_timeout,
-                cursor=StreamCursor.from_dict(self.cursor),
+                cursor=self.position.cursor.copy(),  # the stream moves its own copy ahead
+                stop=self.stop,
             )
         return cache, stream
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> TrainResult:
-        cfg, env, store = self.cfg, self.env, self.store
-        if self.step >= cfg.max_steps:
+        cfg, env, store, position = self.cfg, self.env, self.store, self.position
+        if position.step >= cfg.max_steps:
             if self.console:
-                self.console.print(f"already at step {self.step} >= --max-steps {cfg.max_steps}; nothing to train")
-            self._finish("max_steps")
-            return self._result("max_steps")
+                self.console.print(f"already at step {position.step} >= --max-steps {cfg.max_steps}; nothing to train")
+            return self._finish("max_steps", "max_steps")
         if env.rank == 0:
             if store.is_done():
                 store.clear_done()  # training continues: a larger --max-steps than the finished run's
-            self.metrics = MetricsLog(store, "train", "0")
-            # records of steps after the resumed state are logged again by this run
-            self.metrics.rewrite(lambda record: record.get("step", 0) <= self.step)
-            self.tracker = (
-                Tracker(
-                    cfg.report_to,
-                    store=store,
-                    run_id=self.run_manifest.run_id,
-                    job="train",
-                    config=self.config.model_dump(mode="json"),
-                )
-                if cfg.report_to
-                else None
+            self.step_log = StepLog(
+                store, self.config, self.run_manifest.run_id, resumed_step=position.step, console=self.console
             )
 
         cache, stream = self.make_data()
-        if stream is not None:
-            if self.console:
-                from rich.markup import escape
+        if stream is not None and self.console:
+            from rich.markup import escape
 
-                stream.on_event = lambda message: self.console.print(
-                    f"[yellow]{escape(message)}[/]", highlight=False, soft_wrap=True
-                )
+            stream.on_event = lambda message: self.console.print(
+                f"[yellow]{escape(message)}[/]", highlight=False, soft_wrap=True
+            )
+        loader = self._start_loader(cache, stream)
+        if stream is not None:
+            stream.on_wait = self._progress_while_waiting(stream, stream.on_wait)
+        kind: StopKind = "max_steps"
+        reason = "max_steps"
+        try:
+            while position.step < cfg.max_steps:
+                t0 = time.perf_counter()
+                item = loader.get()
+                queue_wait = time.perf_counter() - t0
+                if isinstance(item, StreamEnd):
+                    position.cursor, kind, reason = item.cursor, item.kind, item.reason
+                    break
+                self._train_step(item, queue_wait)
+        finally:
+            loader.close()
+        return self._finish(kind, reason)
+
+    def _start_loader(self, cache: ShardCache, stream: ShardStream | None) -> BatchLoader:
+        """The prefetch thread (loader.py), started; with a task reward it also scores each batch."""
+        cfg, env = self.cfg, self.env
         scorer = None
         if cfg.task_reward_weight > 0:
             from opd_cache.train.task_reward import score_batch
 
             scorer = lambda batch: score_batch(batch, cache, self.tokenizer)  # noqa: E731
-        loader = BatchLoader(
+        return BatchLoader(
             cache=cache,
             stream=stream,
             rank=env.rank,
             world_size=env.world_size,
             group=env.data_group,
-            first_step=self.step + 1,
+            first_step=self.position.step + 1,
             max_steps=cfg.max_steps,
             version_of_step=self.version_of_step,
             micro_batch_tokens=cfg.micro_batch_tokens,
@@ -330,30 +340,13 @@ class Trainer:
             prefetch=cfg.prefetch_batches,
             pin_memory=env.device.type == "cuda",
         ).start()
-        if stream is not None:
-            stream.on_wait = self._progress_while_waiting(stream, stream.on_wait)
-        stopped = "max_steps"
-        try:
-            while self.step < cfg.max_steps:
-                t0 = time.perf_counter()
-                item = loader.get()
-                queue_wait = time.perf_counter() - t0
-                if isinstance(item, StreamEnd):
-                    self.cursor = item.cursor
-                    stopped = item.reason
-                    break
-                self._train_step(item, queue_wait)
-        finally:
-            loader.close()
-        self._finish(stopped)
-        return self._result(stopped)
 
     def _train_step(self, item: LoadedStep, queue_wait: float) -> None:
-        cfg, env = self.cfg, self.env
+        cfg, env, position = self.cfg, self.env, self.position
         batch = item.batch
         t0 = time.perf_counter()
-        self.step += 1
-        lr = learning_rate(self.step, cfg)
+        position.step += 1
+        lr = learning_rate(position.step, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.objective.train()
@@ -374,59 +367,48 @@ class Trainer:
         if env.distributed:
             stats.all_reduce(env.device)
         step_time = time.perf_counter() - t0
-        self.cursor = batch.cursor
+        position.cursor = batch.cursor
 
         # the step is done: ledger, publication, progress, resume state, metrics
         if env.rank == 0:
-            write_consumed(self.store, self.step, batch)
+            write_consumed(self.store, position.step, batch)
         self.publisher.check()  # a failed background publication stops the trainer here
-        if (self.step - self.anchor_step) % cfg.publish_every == 0:
+        if (position.step - position.anchor_step) % cfg.publish_every == 0:
             self._publish()
         if env.rank == 0:
-            self._write_progress(self.cursor)
-        if self.step % cfg.save_every == 0:
+            self._write_progress(position.cursor)
+        if position.step % cfg.save_every == 0:
             self._save()
         if env.rank == 0:
-            tokens = stats.tokens
-            record = {
-                "step": self.step,
-                "policy_version": self.version,
-                "trained_version": batch.version,
-                "lr": lr,
-                "grad_norm": float(grad_norm),
-                "samples": batch.num_rows,
-                "input_tokens": int((batch.prompt_lengths + batch.response_lengths).sum()),
-                "micro_batches": len(item.micro_batches),
-                "step_time_s": step_time,
-                "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
-                "data_wait_s": queue_wait,
-                "stream_wait_s": batch.wait_seconds,
-                "decode_s": item.decode_seconds,
-                "expired_rows": batch.expired_rows,
-                "expired_total": self.cursor["expired_samples"],
-                "lost_total": self.cursor.get("lost_samples", 0),
-                "lost_shards": self.cursor.get("lost_shards", 0),
-                "staleness": batch.staleness_histogram(),
-                **stats.record(with_task=cfg.task_reward_weight > 0),
-            }
-            if cfg.task_reward_weight > 0:
-                record["task_reward_mean"] = float(batch.rewards.mean()) if batch.rewards is not None else None
-            self._log(record)
+            record = step_record(
+                item,
+                stats,
+                position.cursor,
+                step=position.step,
+                policy_version=position.version,
+                lr=lr,
+                grad_norm=float(grad_norm),
+                step_time=step_time,
+                queue_wait=queue_wait,
+                with_task=cfg.task_reward_weight > 0,
+            )
+            self.step_log.log(record, trained_samples=position.cursor.trained_samples)
 
     def _autocast(self):
         if self.env.distributed or self.low_precision is None:
             return contextlib.nullcontext()  # FSDP2's MixedPrecisionPolicy casts the parameters itself
         return torch.autocast(self.env.device.type, dtype=self.low_precision)
 
-    def _write_progress(self, cursor: dict) -> None:
+    # ------------------------------------------------------------------ bookkeeping
+    def _write_progress(self, cursor: StreamCursor) -> None:
         write_progress(
             self.store,
-            step=self.step,
-            policy_version=self.version,
-            cursor=cursor,
+            step=self.position.step,
+            policy_version=self.position.version,
+            cursor=cursor.to_dict(),
             extra={"samples_needed_total": samples_needed_total(self.cfg)},
         )  # for pacing
-        self._progress_counts = (cursor["trained_samples"], cursor["unrouted_samples"], cursor["expired_samples"])
+        self._progress_counts = (cursor.trained_samples, cursor.unrouted_samples, cursor.expired_samples)
 
     def _progress_while_waiting(self, stream, then):
         """The stream's wait hook: publish rows it expired (or took) while the step waits for data.
@@ -436,8 +418,8 @@ class Trainer:
         """
 
         def on_wait() -> None:
-            cursor = stream.cursor.to_dict()
-            counts = (cursor["trained_samples"], cursor["unrouted_samples"], cursor["expired_samples"])
+            cursor = stream.cursor
+            counts = (cursor.trained_samples, cursor.unrouted_samples, cursor.expired_samples)
             # also after a step's write of an older cursor (the stream runs ahead: prefetched batches)
             if counts != self._progress_counts:
                 self._write_progress(cursor)
@@ -447,73 +429,63 @@ class Trainer:
         return on_wait
 
     def _publish(self) -> None:
-        self.version += 1
-        self.publisher.submit(self.version, self.objective)  # returns once the weights are copied
-        self.published_step = self.step
+        self.position.version += 1
+        self.publisher.submit(self.position.version, self.objective)  # returns once the weights are copied
+        self.position.published_step = self.position.step
 
     def _save(self) -> None:
         self.publisher.wait()  # the state counts every version up to its own as published: they must be complete
         save_state(
             self.store,
-            self.step,
+            self.position.step,
             self.objective,
             self.optimizer,
-            self.trainer_state(),
+            self.position.to_state(world_size=self.env.world_size, loss=self.cfg.loss),
             rank=self.env.rank,
             distributed=self.env.distributed,
             keep=self.cfg.keep_states,
         )
-        self.saved_step, self.saved_cursor = self.step, self.cursor
+        self.saved_step, self.saved_cursor = self.position.step, self.position.cursor
 
-    def _finish(self, stopped: str) -> None:
+    def _finish(self, kind: StopKind, reason: str) -> TrainResult:
         """Publish what was trained since the last version, save the state, mark DONE if finished."""
-        if self.step > self.published_step:
+        position = self.position
+        if position.step > position.published_step:
             self._publish()
-            self.anchor_step, self.anchor_version = self.step, self.version  # later steps count from here
-        if (self.step, self.cursor) != (self.saved_step, self.saved_cursor):
+            position.anchor_step, position.anchor_version = position.step, position.version  # later steps count here
+        if (position.step, position.cursor) != (self.saved_step, self.saved_cursor):
             self._save()
         self.publisher.close()
+        cursor = position.cursor
         if self.env.rank == 0:
-            self._write_progress(self.cursor)
-            if stopped == "max_steps" or (self.cfg.follow and "idle" in stopped):
-                self.store.mark_done(f"{stopped} at step {self.step}")
-            if self.metrics is not None:
-                self.metrics.flush()
-            if self.tracker is not None:
-                self.tracker.close()
+            self._write_progress(cursor)
+            if kind in FINISHED_KINDS or (self.cfg.follow and kind == "idle_timeout"):
+                self.store.mark_done(f"{reason} at step {position.step}")
+            if self.step_log is not None:
+                self.step_log.close()
             if self.console:
                 self.console.print(
-                    f"[bold green]stopped[/] ({stopped}) at step {self.step}, policy version "
-                    f"{self.version}; trained {self.cursor['trained_samples']} samples, "
-                    f"{self.cursor['expired_samples']} expired"
+                    f"[bold green]stopped[/] ({reason}) at step {position.step}, policy version "
+                    f"{position.version}; trained {cursor.trained_samples} samples, "
+                    f"{cursor.expired_samples} expired"
                 )
         self.env.barrier()
-
-    def _result(self, stopped: str) -> TrainResult:
         return TrainResult(
-            self.step, self.version, stopped, self.cursor["trained_samples"], self.cursor["expired_samples"]
+            position.step, position.version, reason, cursor.trained_samples, cursor.expired_samples, kind
         )
 
-    # ------------------------------------------------------------------ reporting
-    def _log(self, record: dict) -> None:
-        self.metrics.log(record)
-        if self.tracker is not None:  # train.report_to: the same numbers, live (opd_cache/observe/tracking.py)
-            self.tracker.log(train_metrics(record, self.cursor["trained_samples"]), record["step"])
-        if self.console:
-            stale = " ".join(f"{k}:{v}" for k, v in record["staleness"].items())
-            self.console.print(
-                f"step {record['step']:>5}/{self.cfg.max_steps} v{record['policy_version']} "
-                f"loss {record['loss']:.4f} gnorm {record['grad_norm']:.3f} lr {record['lr']:.2e} "
-                f"{record['tokens_per_s']:,.0f} tok/s wait {record['data_wait_s']:.2f}s "
-                f"staleness[{stale}] expired {record['expired_total']}",
-                highlight=False,
-            )
 
+# ---------------------------------------------------------------------- 1. the entry point
+def run_train(
+    cfg: Config, store: Store, *, stop: threading.Event | None = None, console: Console | None = None
+) -> TrainResult:
+    """Train (one process, or this rank of a torchrun job) until max_steps, the data's end or `stop`.
 
-def train(config: Config, console=None) -> TrainResult:
-    """Run the trainer (single process, or this rank of a torchrun job) until it stops."""
-    env = init_distributed(config.train.device)
+    `console`: where the step lines go (None: nowhere). `stop`: set, training ends at the next step the stream
+    plans, with its policy version published and its state saved (no train/DONE).
+    """
+    env = init_distributed(cfg.train.device)
     try:
-        return Trainer(config, env, console=console).run()
+        return Trainer(cfg, store, env, stop=stop, console=console).run()
     finally:
         env.close()

@@ -157,12 +157,12 @@ def chaos_config(workdir: Path, store_uri: str, *, s3_endpoint: str | None = Non
         steps=max_steps,
         batch=16,
         poll_seconds=0.2,
-        store={"s3_endpoint": s3_endpoint} if s3_endpoint else {},
         # save_every 3 vs publish_every 2: kills between a publication and the next state are common, so the
         # resumed trainer retrains steps whose version is already published. max_staleness 1 makes rows expire.
+        max_staleness=1,
+        store={"s3_endpoint": s3_endpoint} if s3_endpoint else {},
         train={
             "save_every": 3,
-            "max_staleness": 1,
             "keep_states": 2,
             "keep_versions": 3,  # retention deletes 7 of the 10 versions while the stages are killed
         },

@@ -1,4 +1,4 @@
-"""What must hold in a store after any number of SIGKILLs, checked from the store alone (DESIGN.md §6).
+"""What must hold in a store after any number of SIGKILLs, checked from the store alone (docs/design.md §6).
 
 `check_store` reads everything a run left behind and raises AssertionError
 naming the first broken promise:
@@ -134,7 +134,7 @@ def check_damage(store: Store, corrupted: list[dict], pristine: Path) -> dict:
 def check_store(
     store: Store, cfg: Config, scratch: Path, corrupted: list[dict] | None = None, pristine: Path | None = None
 ) -> dict:
-    """Every promise of DESIGN.md §6 about what a store holds; returns counts for the report."""
+    """Every promise of docs/design.md §6 about what a store holds; returns counts for the report."""
     run = store.manifest.require()
     stats: dict = {}
     stats["damage"] = check_damage(store, corrupted or [], pristine or scratch)

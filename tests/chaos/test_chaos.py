@@ -1,4 +1,4 @@
-"""Kill anything at any time, lose nothing (DESIGN.md §6): `pytest tests/chaos -m chaos`.
+"""Kill anything at any time, lose nothing (docs/design.md §6): `pytest tests/chaos -m chaos`.
 
 Each test runs rollout, annotate and train on one store while driver.py sends
 at least 30 SIGKILLs (random moments and kill points inside store writes,

@@ -62,7 +62,6 @@ def wandb_history(wandb_dir: Path, run_name: str) -> list[dict]:
 
     wandb.teardown()  # this process's runs (trainer, in-process `opd eval`) are finished: flush their files
 
-
     files = glob.glob(str(wandb_dir / "wandb" / f"offline-run-*-{run_name}" / f"run-{run_name}.wandb"))
     assert len(files) == 1, files
     data = Path(files[0]).read_bytes()
@@ -154,7 +153,10 @@ def test_report_to_accepts_names_and_keeps_the_tensorboard_flag():
     assert load_config(None, sets=["train.tensorboard=true", "train.report_to=[tensorboard]"]).train.report_to == [
         "tensorboard"
     ]
-    with pytest.raises(ValueError, match="train.report_to.0' = 'mlflow': Input should be 'tensorboard' or 'wandb'"):
+    with pytest.raises(
+        ValueError,
+        match=r"train.report_to.0' = 'mlflow' \(from --set train.report_to=mlflow\): Input should be 'tensorboard' or",
+    ):
         load_config(None, sets=["train.report_to=mlflow"])
 
 

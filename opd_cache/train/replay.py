@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from opd_cache.storage.damage import DAMAGE_ERRORS, DamagedFiles
 from opd_cache.storage.store import RUN_JSON, RunManifest, ShardInfo, Store
 from opd_cache.train.shard_data import ShardCache, ShardData, required_teachers
 from opd_cache.train.stream import GlobalBatch, StreamCursor, StreamEnd
@@ -43,9 +44,13 @@ class ReplaySpec:
     max_version: int | None = None
     teachers: list[str] | None = None  # None: the teachers each source's run requires
     data_sources: list[str] | None = None  # None: every row
+    skip_damaged: bool = False  # a damaged source shard is left out (counted) instead of stopping the replay
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The selection, as run.json records it (skip_damaged is how to read it, not what it selects)."""
+        selection = asdict(self)
+        del selection["skip_damaged"]
+        return selection
 
 
 @dataclass
@@ -65,6 +70,8 @@ def open_sources(spec: ReplaySpec) -> list[Source]:
     sources = []
     for uri in spec.sources:
         store = Store(uri)
+        if not store.manifest.exists():
+            raise ValueError(f"--from {uri}: {store.manifest.no_run_reason()}")
         run = store.manifest.require()
         shards, parts = store.shards.dataset()
         teachers = required_teachers(run)
@@ -139,13 +146,26 @@ class ReplayCache:
     Shard ids repeat across stores (every run starts at v000000-w00-000000), so the key names its source.
     """
 
-    def __init__(self, sources: list[Source]):
+    def __init__(self, sources: list[Source], skip_damaged: bool = False):
         self.caches = [ShardCache(s.store, s.run, s.teachers) for s in sources]
         self.teachers = sorted({t for s in sources for t in s.teachers})
+        # a damaged shard stops the replay naming it (storage/damage.py), or is left out and counted
+        self.damaged = [DamagedFiles(s.store.uri, skip=skip_damaged) for s in sources]
 
-    def get(self, key: str) -> ShardData:
+    def get(self, key: str) -> ShardData | None:
+        """The shard's data; None for a damaged one when skipping them (a source is only read: no quarantine)."""
         index, _, shard_id = key.partition(":")
-        return self.caches[int(index)].get(shard_id)
+        damaged = self.damaged[int(index)]
+        if shard_id in damaged.files:
+            return None
+        try:
+            return self.caches[int(index)].get(shard_id)
+        except DAMAGE_ERRORS as e:
+            damaged.met(shard_id, e)  # raises unless skipping
+            return None
+
+    def skipped(self) -> int:
+        return sum(len(d.files) for d in self.damaged)
 
     def refresh_run(self) -> None:  # the trainer's loader calls it when no teacher is known: never for a replay
         pass
@@ -172,6 +192,11 @@ class ReplayStream:
         self.on_event = lambda message: None
         self.on_wait = None
         self._orders: dict[int, list[str]] = {}
+        self._skipped: set[str] = set()  # damaged shards already reported
+        self._source_uris = [source.store.uri for source in sources]
+
+    def source_of(self, key: str) -> str:
+        return self._source_uris[int(key.partition(":")[0])]
 
     def order(self, epoch: int) -> list[str]:
         """The shards of `epoch`, in the order they are read."""
@@ -206,6 +231,12 @@ class ReplayStream:
                 continue
             key = order[c["position"]]
             data = self.cache.get(key)
+            if data is None:  # damaged, left out with --skip-damaged
+                if key not in self._skipped:
+                    self._skipped.add(key)
+                    self.on_event(f"skipped damaged shard {key.partition(':')[2]} of --from {self.source_of(key)}")
+                c["position"], c["current_rows"] = c["position"] + 1, 0
+                continue
             selected = self.rows(key, data, c["epoch"])
             remaining = selected[c["current_rows"] :]
             if self.batch_samples is not None:
@@ -254,11 +285,23 @@ class ReplayStream:
         )
 
 
+def source_lr(uri: str) -> float | None:
+    """The learning rate a source store's run trained with: the peak `lr` of its trainer's metrics (the schedule
+    reaches train.lr after its warm-up, then holds or decays it); None without training metrics."""
+    from opd_cache.observe.metrics import read_metrics
+
+    store = Store(uri)
+    if not store.manifest.exists():
+        return None  # open_sources says what is wrong with it
+    rates = [r["lr"] for records in read_metrics(store, "train").values() for r in records if "lr" in r]
+    return max(rates) if rates else None
+
+
 def steps_for_epochs(sources: list[Source], spec: ReplaySpec, batch_samples: int) -> int:
     """Optimizer steps of `batch_samples` rows that every epoch of the selection needs (reads each shard once)."""
-    cache = ReplayCache(sources)
+    cache = ReplayCache(sources, skip_damaged=spec.skip_damaged)
     stream = ReplayStream(sources, cache, spec, batch_samples=batch_samples, batch_tokens=None)
-    rows = sum(len(stream.rows(key, cache.get(key), 0)) for key in stream.keys)
+    rows = sum(len(stream.rows(key, data, 0)) for key in stream.keys if (data := cache.get(key)) is not None)
     return max(1, -(-rows * spec.epochs // batch_samples))
 
 
@@ -270,7 +313,7 @@ class ReplayTrainer(Trainer):
         super().__init__(config, env, console=console)
 
     def make_data(self):
-        cache = ReplayCache(self.sources)
+        cache = self.cache = ReplayCache(self.sources, skip_damaged=self.spec.skip_damaged)
         stream = None
         if self.env.rank == 0:
             stream = ReplayStream(
@@ -283,8 +326,30 @@ class ReplayTrainer(Trainer):
             )
         return cache, stream
 
+    def _log(self, record: dict) -> None:
+        """The trainer's metrics and tracker record, and its step line without staleness: the rows' policy versions
+        are the source run's, so their distance to this run's versions means nothing (it printed [-713:64])."""
+        console, self.console = self.console, None
+        try:
+            super()._log(record)
+        finally:
+            self.console = console
+        if console:
+            console.print(
+                f"step {record['step']:>5}/{self.cfg.max_steps} v{record['policy_version']} "
+                f"loss {record['loss']:.4f} gnorm {record['grad_norm']:.3f} lr {record['lr']:.2e} "
+                f"{record['tokens_per_s']:,.0f} tok/s wait {record['data_wait_s']:.2f}s",
+                highlight=False,
+            )
+
     def _finish(self, stopped: str) -> None:
         super()._finish(stopped)
+        skipped = self.cache.skipped() if getattr(self, "cache", None) is not None else 0
+        if skipped and self.console:
+            self.console.print(
+                f"skipped {skipped} damaged source shard{'s' if skipped != 1 else ''} (--skip-damaged); "
+                f"`opd verify` on the --from stores says what is wrong with each"
+            )
         if self.env.rank == 0 and stopped.startswith("replayed"):  # every epoch done: finished, like max_steps
             self.store.mark_done(f"{stopped} at step {self.step}")
 

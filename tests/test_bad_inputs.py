@@ -163,7 +163,8 @@ def test_control_the_commands_of_the_matrix_work_on_an_undamaged_copy(store, pro
 REFUSED_FLAGS = {
     "unknown_set_key": (
         ["train", "--set", "train.lrr=1"],
-        "invalid configuration: unknown config key 'train.lrr' (value 1); check the spelling against "
+        "invalid configuration: unknown config key 'train.lrr' (value 1, from --set train.lrr=1); check the "
+        "spelling against "
         "`docs/configuration.md`",
     ),
     "set_without_value": (
@@ -172,7 +173,8 @@ REFUSED_FLAGS = {
     ),
     "negative_staleness": (
         ["train", "--max-staleness", "-1"],
-        "invalid configuration: config key 'max_staleness' = -1: Input should be greater than or equal to 0",
+        "invalid configuration: config key 'max_staleness' = -1 (from --max-staleness): Input should be "
+        "greater than or equal to 0",
     ),
     "retired_stage_staleness": (
         ["train", "--set", "train.max_staleness=1"],
@@ -222,7 +224,7 @@ def test_wrong_type_in_yaml(store, tmp_path):
     before = snapshot(store)
     assert_refused(
         opd("train", "--store", store, "--config", config),
-        f"invalid configuration in {config}: config key 'train.max_steps' = 'many': Input should be a "
+        f"invalid configuration: config key 'train.max_steps' = 'many' (from --config {config}): Input should be a "
         f"valid integer, unable to parse string as an integer",
     )
     assert snapshot(store) == before
@@ -257,7 +259,8 @@ def test_missing_config_file(store, tmp_path):
 def test_worker_index_out_of_range(store):
     assert_refused(
         opd("annotate", "--store", store, "--teacher", TEACHER, "--worker-index", "3", "--num-workers", "2"),
-        "invalid configuration: annotate: worker_index 3 must be < num_workers 2",
+        "invalid configuration: annotate: worker_index 3 must be < num_workers 2 (from --worker-index and "
+        "--num-workers)",
     )
 
 
@@ -494,7 +497,8 @@ def test_corrupt_resume_state(store, damage):
 def test_store_without_run_json(tmp_path):
     assert_refused(
         opd("annotate", "--store", tmp_path / "empty", "--teacher", TEACHER),
-        f"{tmp_path / 'empty'}/run.json does not exist: run `opd rollout` on this store first",
+        f"store {tmp_path / 'empty'} does not exist (no such folder): check the path; `opd rollout` creates a new "
+        f"store",
     )
 
 

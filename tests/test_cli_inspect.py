@@ -181,12 +181,17 @@ def test_inspect_of_a_directory_says_so(tmp_path):
     out = opd("inspect", str(folder))
     assert out.returncode == 2
     assert (
-        f"error: {folder} is a directory, not an Arrow shard (it holds teacher.arrow: inspect one of them)"
+        f"error: {folder} is a folder but not a store (no run.json): opd inspect takes a store (a folder with "
+        f"run.json) or a shard (an .arrow file); it holds teacher.arrow: inspect one of them"
         in " ".join(out.stderr.split())
     )
     out = opd("inspect", str(tmp_path))
-    assert out.returncode == 2 and f"{tmp_path} is a directory, not an Arrow shard" in " ".join(out.stderr.split())
+    assert out.returncode == 2 and f"{tmp_path} is a folder but not a store" in " ".join(out.stderr.split())
     assert "Traceback" not in out.stderr
+    out = opd("inspect", str(tmp_path / "nope"))
+    assert out.returncode == 2 and f"{tmp_path / 'nope'} does not exist: opd inspect takes a store or a shard" in (
+        " ".join(out.stderr.split())
+    )
 
 
 def test_version_ranges_stay_one_short_line_for_a_long_run():

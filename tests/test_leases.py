@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -48,14 +50,24 @@ def lease_files(store, teacher="teacher"):
 
 
 # ---------------------------------------------------------------- the lease rules
+def sleep_past(expires_at: float) -> None:
+    """Until a lease's expiry (a wall-clock time, as the workers compare it) has passed."""
+    time.sleep(max(0.0, expires_at - time.time()) + 0.1)
+
+
+# Leases of LEASE_S seconds: the assertions that a lease is still live must hold however slowly a loaded machine
+# runs the few requests between them (an S3 request to moto can take a second there); 0.6 s leases did not.
+LEASE_S = 3.0
+
+
 def test_a_live_lease_excludes_others_and_an_expired_one_is_taken_over(any_store):
-    a, b = LeaseBook(any_store, "teacher", "a", 0.6), LeaseBook(any_store, "teacher", "b", 0.6)
+    a, b = LeaseBook(any_store, "teacher", "a", LEASE_S), LeaseBook(any_store, "teacher", "b", LEASE_S)
     lease_a = a.claim(SHARD)
     assert lease_a is not None and lease_a.generation == 0
     b.poll()
     assert b.claim(SHARD) is None  # a's lease is live
     assert lease_a.still_mine()
-    time.sleep(0.8)  # a froze: no renewal, the lease expires
+    sleep_past(lease_a.expires_at)  # a froze: no renewal, the lease expires
     assert not lease_a.still_mine()  # past its expiry a holder must not publish, even before a takeover
     b.poll()
     lease_b = b.claim(SHARD)
@@ -85,13 +97,14 @@ def test_two_workers_claiming_at_once_get_the_shard_once(local_store):
 
 
 def test_renewal_keeps_a_lease_alive_past_its_expiry(any_store):
-    a, b = LeaseBook(any_store, "teacher", "a", 0.6), LeaseBook(any_store, "teacher", "b", 0.6)
-    with a.claim(SHARD) as lease:  # renewed every 0.2 s by its thread
-        for _ in range(4):
-            time.sleep(0.4)
+    a, b = LeaseBook(any_store, "teacher", "a", LEASE_S), LeaseBook(any_store, "teacher", "b", LEASE_S)
+    with a.claim(SHARD) as lease:  # renewed every LEASE_S / 3 by its thread
+        first_expiry = lease.expires_at
+        while time.time() < first_expiry + 1.0:  # past the expiry it had without renewal
+            time.sleep(0.5)
             b.poll()
             assert b.claim(SHARD) is None
-        assert lease.renewals >= 4 and lease.still_mine()
+        assert lease.renewals >= 1 and lease.expires_at > first_expiry and lease.still_mine()
     assert lease_files(any_store) == []  # released on exit
     b.poll()
     assert b.claim(SHARD) is not None
@@ -139,16 +152,18 @@ def test_static_split_still_takes_no_leases(store, teacher_path):
 
 FROZEN_WORKER = """
 import sys, time
+from pathlib import Path
 from opd_cache.annotate import Annotator
 from opd_cache.config import AnnotateConfig, Config
 from opd_cache.storage.store import Store
 
-cfg = Config(annotate=AnnotateConfig(teacher=sys.argv[2], top_k=4, worker_id="frozen", lease_seconds=float(sys.argv[3])))
-store = Store(sys.argv[1])
-annotator = Annotator(cfg, store, progress=False)
+store_uri, teacher, lease_seconds, scoring_marker, teacher_seconds = sys.argv[1:]
+cfg = Config(annotate=AnnotateConfig(teacher=teacher, top_k=4, worker_id="frozen", lease_seconds=float(lease_seconds)))
+annotator = Annotator(cfg, Store(store_uri), progress=False)
 score = annotator.scorer.score
-def slow_score(*args):  # a slow teacher: the test freezes this process while it scores
-    time.sleep(1.0)
+def slow_score(*args):  # a slow teacher: the test stops or interrupts this process while it scores
+    Path(scoring_marker).touch()  # the event the test waits for: inside a teacher call, holding a lease
+    time.sleep(float(teacher_seconds))
     return score(*args)
 annotator.scorer.score = slow_score
 stats = annotator.run()
@@ -156,10 +171,37 @@ print("annotated", len(stats.annotated))
 """
 
 
-def start_slow_holder(store, teacher_path, lease_seconds: float) -> subprocess.Popen:
-    """An annotate worker in its own process (FROZEN_WORKER: a teacher call takes 1 s), to stop or interrupt."""
-    return subprocess.Popen(
-        [sys.executable, "-c", FROZEN_WORKER, store.uri, str(teacher_path), str(lease_seconds)],
+@dataclass
+class SlowHolder:
+    """An annotate worker in its own process (FROZEN_WORKER) whose teacher calls take `teacher_seconds`."""
+
+    proc: subprocess.Popen
+    scoring_marker: Path
+
+    def wait_until_scoring(self, store) -> None:
+        """Until it is inside its first teacher call, holding that shard's lease (an event, not a delay)."""
+        deadline = time.monotonic() + 180  # its start-up imports torch and transformers: slow on a busy machine
+        while not self.scoring_marker.exists() and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.scoring_marker.exists(), self.output()
+        assert len(lease_files(store)) == 1, self.output()
+
+    def output(self) -> str:
+        if self.proc.poll() is None:
+            return "(still running)"
+        return self.proc.stdout.read().decode()[-2000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_slow_holder(store, teacher_path, tmp_path, lease_seconds: float, teacher_seconds: float) -> SlowHolder:
+    marker = tmp_path / "scoring-started"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FROZEN_WORKER, store.uri, str(teacher_path), str(lease_seconds), str(marker)]
+        + [str(teacher_seconds)],
         cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE,
@@ -167,22 +209,18 @@ def start_slow_holder(store, teacher_path, lease_seconds: float) -> subprocess.P
         # a stage process's start (Ctrl-C works whatever signals the test process blocks or ignores)
         preexec_fn=prepare_stage_process,
     )
+    return SlowHolder(proc, marker)
 
 
-def wait_for_its_first_lease(proc: subprocess.Popen, store) -> None:
-    deadline = time.time() + 120
-    while not lease_files(store) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-
-
-def test_a_frozen_lease_holder_is_taken_over_and_its_late_result_is_dropped(store, teacher_path):
+def test_a_frozen_lease_holder_is_taken_over_and_its_late_result_is_dropped(store, teacher_path, tmp_path):
     shard_ids = write_shards(store, 3, num_rows=4)
     lease_seconds = 1.5
-    proc = start_slow_holder(store, teacher_path, lease_seconds)
+    # a 5 s teacher call: the test stops the holder inside it (it would publish if it were not stopped in time)
+    holder = start_slow_holder(store, teacher_path, tmp_path, lease_seconds, teacher_seconds=5)
     try:
-        wait_for_its_first_lease(proc, store)
-        os.kill(proc.pid, signal.SIGSTOP)  # frozen while it scores its first shard
-        assert lease_files(store) == [f"{shard_ids[0]}.000000.json"], proc.stdout.read().decode()[-2000:]
+        holder.wait_until_scoring(store)
+        os.kill(holder.proc.pid, signal.SIGSTOP)  # frozen while it scores its first shard
+        assert lease_files(store) == [f"{shard_ids[0]}.000000.json"]
         time.sleep(lease_seconds + 0.5)  # its lease expires: no renewal from a stopped process
 
         taker = Annotator(config(teacher_path, top_k=4, worker_id="taker", lease_seconds=lease_seconds), store)
@@ -190,13 +228,11 @@ def test_a_frozen_lease_holder_is_taken_over_and_its_late_result_is_dropped(stor
         digests = {
             s: hashlib.sha256(store.read_bytes(layout.annotated_path(s, "teacher"))).hexdigest() for s in shard_ids
         }
-        os.kill(proc.pid, signal.SIGCONT)  # it finishes scoring, finds its lease taken over, writes nothing
-        out, _ = proc.communicate(timeout=120)
+        os.kill(holder.proc.pid, signal.SIGCONT)  # it finishes scoring, finds its lease taken over, writes nothing
+        out, _ = holder.proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, out.decode()[-2000:]
+        holder.stop()
+    assert holder.proc.returncode == 0, out.decode()[-2000:]
     assert "lease lost: " + shard_ids[0] in out.decode() and "annotated 0" in out.decode()
     frozen = read_metrics(store)["annotate-frozen"]
     assert [r["event"] for r in frozen] == ["lease_lost"]
@@ -209,25 +245,57 @@ def test_a_frozen_lease_holder_is_taken_over_and_its_late_result_is_dropped(stor
     assert lease_files(store) == []
 
 
-def test_an_interrupted_holder_releases_its_lease_at_once(store, teacher_path):
+def test_an_interrupted_holder_releases_its_lease_at_once(store, teacher_path, tmp_path):
     """Scale-down under Ray sends SIGINT (ray_actor.StageWorker.interrupt): the holder deletes its lease on the
-    way out, so another worker takes the shard at once instead of after the expiry (60 s here)."""
+    way out, so another worker takes the shard at once instead of after the expiry (60 s here).
+
+    The teacher call lasts until the interrupt (120 s), so a lost SIGINT fails the test instead of letting the
+    holder finish. (It was lost when it landed in pyarrow's first to_numpy, which imported pandas and dropped the
+    KeyboardInterrupt: opd_cache/storage/columns.py now imports pandas up front.)"""
     shard_ids = write_shards(store, 3, num_rows=4)
-    proc = start_slow_holder(store, teacher_path, 60)
+    holder = start_slow_holder(store, teacher_path, tmp_path, 60, teacher_seconds=120)
     try:
-        wait_for_its_first_lease(proc, store)
-        assert lease_files(store) == [f"{shard_ids[0]}.000000.json"], proc.stdout.read().decode()[-2000:]
-        time.sleep(0.3)  # inside its first shard's 1 s teacher call, past the lease's creation
-        os.kill(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        holder.wait_until_scoring(store)
+        assert lease_files(store) == [f"{shard_ids[0]}.000000.json"]
+        os.kill(holder.proc.pid, signal.SIGINT)
+        out, _ = holder.proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert "KeyboardInterrupt" in out.decode()
+        holder.stop()
+    assert "KeyboardInterrupt" in out.decode(), out.decode()[-2000:]
     assert lease_files(store) == []  # released, not left to expire
     assert not store.shards.annotated_parts()  # its shard was dropped, not half-published
     started = time.monotonic()
     taker = Annotator(config(teacher_path, top_k=4, worker_id="taker", lease_seconds=60), store)
     assert sorted(taker.run().annotated) == shard_ids  # the interrupted one's shard included, no waiting
     assert time.monotonic() - started < 30
+
+
+INTERRUPTED_WHILE_PANDAS_LOADS = """
+import os, signal, sys
+
+class InterruptWhenPandasLoads:  # a Ctrl-C that lands while pandas loads (a second or more on a busy machine)
+    def find_spec(self, name, path=None, target=None):
+        if name == "pandas":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, InterruptWhenPandasLoads())
+import numpy as np
+import pyarrow as pa
+import opd_cache.storage.schema  # what every stage imports before it reads a shard
+array = pa.Array.from_buffers(pa.int64(), 3, [None, pa.py_buffer(np.arange(3).tobytes())])
+array.to_numpy()  # a stage's first conversion: pyarrow's C++ side imports pandas here unless it is loaded
+print("still running after the Ctrl-C")
+"""
+
+
+def test_a_ctrl_c_while_pandas_loads_stops_the_process():
+    """The cause of the lost SIGINT above, on its own: pyarrow's first to_numpy imports pandas from C++ and drops
+    the KeyboardInterrupt raised meanwhile, so the process went on. opd_cache's storage imports pandas itself, where
+    a Ctrl-C propagates."""
+    out = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_WHILE_PANDAS_LOADS], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert "still running" not in out.stdout
+    assert out.returncode != 0 and "KeyboardInterrupt" in out.stderr, out.stderr[-2000:]

@@ -193,6 +193,41 @@ def test_restart_with_another_seed_is_refused(tiny_model_factory, local_store, t
 
 
 # ---------------------------------------------------------------- policy versions and pacing
+def test_one_pass_without_a_trainer_ends_and_with_a_running_trainer_paces(tiny_model_factory, local_store, tmp_path):
+    """No --max-samples, --max-shards or --follow: one pass over the prompts. Run before any trainer (the README's
+    stage commands, one after another) it must end although its backlog passes max_buffer_samples: nobody would
+    ever consume it (it waited for ever: "backlog 4096 (waiting for the trainer)"). A trainer that has written
+    train/progress.json and is not DONE is paced against as before."""
+    student = tiny_model_factory("student")
+    prompts = write_prompts(tmp_path / "p.jsonl", questions(10))
+    stop, done = threading.Event(), {}
+    cfg = config(student, prompts, max_buffer_samples=3)  # 20 rows > 3, and no trainer
+    worker = threading.Thread(target=lambda: done.update(r=run_rollout(cfg, local_store, stop=stop)), daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    ended = not worker.is_alive()
+    stop.set()  # a worker still waiting stops, so the test ends either way
+    worker.join(timeout=60)
+    assert ended, "the one pass over the prompts did not end without a trainer"
+    assert done["r"].total_samples == 20 and done["r"].cursor == 10
+
+    store = Store(tmp_path / "paced")
+    store.write_progress({"step": 0, "policy_version": 0, "consumed_samples": 0, "expired_samples": 0})
+    stop, done = threading.Event(), {}
+    cfg = config(student, prompts, max_buffer_samples=3, worker_id="w01")
+    worker = threading.Thread(target=lambda: done.update(r=run_rollout(cfg, store, stop=stop)), daemon=True)
+    worker.start()
+    try:
+        wait_for(lambda: len(store.shards.rollouts()) == 1, what="the first shard")
+        time.sleep(1.0)  # the trainer consumes nothing: the worker must wait, not sample further
+        assert len(store.shards.rollouts()) == 1 and worker.is_alive()
+        store.mark_done("max_steps at step 1")  # the trainer is gone: nothing left to pace against
+        worker.join(timeout=120)
+    finally:
+        stop.set()
+    assert not worker.is_alive() and done["r"].total_samples == 20
+
+
 def test_new_policy_version_is_loaded_between_batches_and_pacing_waits(tiny_model_factory, local_store, tmp_path):
     student, new_policy = tiny_model_factory("student"), tiny_model_factory("student", seed=5)
     prompts = write_prompts(tmp_path / "p.jsonl", questions(10))

@@ -155,7 +155,7 @@ def test_annotator_waiting_on_an_empty_store_refuses_a_run_json_with_another_tok
 
 def test_annotator_without_follow_still_refuses_a_store_without_run_json(local_store, tiny_model_factory):
     cfg = annotate_config(tiny_model_factory("teacher", seed=1), follow=False)
-    with pytest.raises(Exception, match=r"run\.json does not exist: run `opd rollout` on this store first"):
+    with pytest.raises(Exception, match=r"store .* does not exist \(no such folder\): check the path"):
         Annotator(cfg, local_store, progress=False)
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -71,8 +72,18 @@ def test_run_manifest_created_once_then_checked(store):
 
 
 def test_require_run_on_empty_store(store):
-    with pytest.raises(StoreError, match=r"run.json does not exist: run `opd rollout` on this store first"):
+    # a local path that does not exist is a typo until a rollout creates it; an object store has no folders
+    message = (
+        r"store .*store does not exist \(no such folder\): check the path; `opd rollout` creates a new store"
+        if store.is_local
+        else r"run.json does not exist: check the URI, or run `opd rollout` on this store first"
+    )
+    with pytest.raises(StoreError, match=message):
         store.manifest.require()
+    if store.is_local:
+        Path(store.root).mkdir(parents=True)
+        with pytest.raises(StoreError, match=r"store holds no run \(run.json is missing\): not a store, or one whose"):
+            store.manifest.require()
 
 
 def test_latest_version_and_publish(store, tmp_path):

@@ -54,8 +54,15 @@ def trained_store(tmp_path_factory, tiny_model_factory, tokenizer):
 
 
 def wandb_history(wandb_dir: Path, run_name: str) -> list[dict]:
-    """The history rows (one per logged step) of an offline W&B run, read from its .wandb file."""
+    """The history rows (one per logged step) of an offline W&B run, read from its .wandb file.
+
+    W&B's service process (wandb-core) writes that file and closes it when its stream is torn down, which
+    `run.finish()` does not wait for: on a busy machine the file read right after `finish()` still held only its
+    7-byte header (no rows). `wandb.teardown()` stops the service and returns once every file is written."""
+    import wandb
     from wandb.proto import wandb_internal_pb2
+
+    wandb.teardown()  # this process's runs (trainer, in-process `opd eval`) are finished: flush their files
 
     files = glob.glob(str(wandb_dir / "wandb" / f"offline-run-*-{run_name}" / f"run-{run_name}.wandb"))
     assert len(files) == 1, files
@@ -148,7 +155,10 @@ def test_report_to_accepts_names_and_keeps_the_tensorboard_flag():
     assert load_config(None, sets=["train.tensorboard=true", "train.report_to=[tensorboard]"]).train.report_to == [
         "tensorboard"
     ]
-    with pytest.raises(ValueError, match="train.report_to.0' = 'mlflow': Input should be 'tensorboard' or 'wandb'"):
+    with pytest.raises(
+        ValueError,
+        match=r"train.report_to.0' = 'mlflow' \(from --set train.report_to=mlflow\): Input should be 'tensorboard' or",
+    ):
         load_config(None, sets=["train.report_to=mlflow"])
 
 

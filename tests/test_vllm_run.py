@@ -1,8 +1,8 @@
-"""`opd run` with rollout and annotate on vLLM, and `opd check-engines`, as processes (`-m vllm`); and a
-following rollout worker whose vLLM engine reloads each new policy by re-creating itself.
+"""`opd run` with rollout and annotate on vLLM, and `opd check-engines`, as processes (`-m vllm`).
 
 Each command here starts its own vLLM engines (about a minute each on 2 cores): the run two (a sampler and a
-scorer, at the same time), check-engines one, the re-creating worker two (its first engine and the new one).
+scorer, at the same time), check-engines one. (The following worker that re-creates its engine on a new version
+shares tests/test_vllm_engines.py's engine: test_a_following_worker_reloads_by_re_creating_the_engine.)
 `opd demo --engine vllm` is too long for this tier (~20 minutes here): docs/engines.md has its command and result.
 """
 
@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -24,9 +23,7 @@ from opd_cache.storage.schema import ANNOTATED, ROLLOUT, read_shard
 from opd_cache.storage.store import Store
 from tests.helpers import tiny_run_config, write_config
 from tests.test_run import BATCH, STEPS, assert_tiny_run_finished
-from tests.test_vllm_engines import assert_each_shard_sampled_by_its_version, roll_out_while_publishing
 
-REPO = Path(__file__).resolve().parents[1]
 ENV_KV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB per engine
 
 
@@ -124,33 +121,3 @@ def test_check_engines_prints_the_largest_difference(models):
     assert re.search(r"annotate: top-8 ids equal +100\.00% of positions", out), out
     largest = re.search(r"largest log-prob difference: (\S+) \(tolerance 0\.001\): OK", out)
     assert largest and float(largest[1]) <= 1e-3, out
-
-
-def test_a_following_rollout_worker_reloads_by_re_creating_its_vllm_engine(
-    models, tiny_model_factory, tokenizer, local_store, monkeypatch
-):
-    """The re-create path inside a running worker (tests/test_vllm_engines.py covers in place inside one, and
-    re-creating an engine on its own): the worker stays up while v1 is published, its engine shuts down and
-    starts again from v1, and each version's shards carry log-probs of that version's weights."""
-    from opd_cache.rollout import worker as rollout_worker
-
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    versions = [models[0], tiny_model_factory("vrun-student", seed=7, **vllm_model_kwargs(tokenizer))]
-    engines = []
-    make_engine = rollout_worker.make_engine
-
-    def re_creating_engine(cfg, model_path, tok):
-        engine = make_engine(cfg, model_path, tok)  # the worker's own vLLM engine, set to the other path
-        engine.reload = "recreate"
-        engines.append(engine)
-        return engine
-
-    monkeypatch.setattr(rollout_worker, "make_engine", re_creating_engine)
-    try:  # 600 s: a wait for a shard includes an engine start, on a shared machine
-        result = roll_out_while_publishing(local_store, versions, REPO / "data/arithmetic/train.parquet", timeout=600)
-    finally:
-        for engine in engines:
-            engine._shutdown()
-    assert result.policy_version == 1
-    assert len(engines) == 1 and engines[0].reloads == ["recreate"], "one engine, re-created once (not in place)"
-    assert_each_shard_sampled_by_its_version(local_store, versions)

@@ -24,4 +24,4 @@ from opd_cache.cli.common import app
 
 
 def main() -> None:
-    app()
+    app(prog_name="opd")  # also as `python -m opd_cache.cli` (torchrun's entry point): the usage lines say `opd`

@@ -9,23 +9,81 @@ from typing import TYPE_CHECKING
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperCommand
 
 if TYPE_CHECKING:
     from opd_cache.config import Config
     from opd_cache.storage.store import Store
 
-app = typer.Typer(
+
+class OpdCommand(TyperCommand):
+    """Plain help text (click's layout, not Rich's boxes): every flag's full name at any width (at 80 columns a
+    long name goes on its own line, its help below it), and the options in sections: the command's own, then the
+    generated config flags one section per config section (`rich_help_panel`, config_flags.py)."""
+
+    def format_options(self, ctx, formatter) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            default = "Arguments" if param.param_type_name == "argument" else "Options"
+            sections.setdefault(getattr(param, "rich_help_panel", None) or default, []).append(record)
+        for title in sorted(sections, key=lambda t: (t != "Arguments", t != "Options")):  # stable otherwise
+            with formatter.section(title[0].upper() + title[1:]):
+                formatter.write_dl(sections[title])
+
+
+class OpdTyper(typer.Typer):
+    """The `opd` app: every command gets OpdCommand's help layout."""
+
+    def command(self, *args, cls: type[TyperCommand] | None = None, **kwargs):
+        return super().command(*args, cls=cls or OpdCommand, **kwargs)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from opd_cache import __version__
+
+        print(f"opd {__version__}")
+        raise typer.Exit(0)
+
+
+app = OpdTyper(
     name="opd",
     help="On-policy distillation with the teacher's outputs as a dataset: rollout -> annotate -> train.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help and usage errors: readable at 80 columns and in a log
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
-console = Console()
-err_console = Console(stderr=True)
+
+
+@app.callback()
+def _opd(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the opd version and exit."
+    ),
+) -> None:
+    """On-policy distillation with the teacher's outputs as a dataset: rollout -> annotate -> train."""
+
+
+def _console(stderr: bool = False) -> Console:
+    """A Rich console; in a log or a pipe (no terminal) lines are not wrapped at Rich's default 80 columns."""
+    out = Console(stderr=stderr)
+    if not out.is_terminal:
+        out.soft_wrap = True
+    return out
+
+
+console = _console()
+err_console = _console(stderr=True)
 
 # --set: every stage command (through config_flags.py) and `opd demo`
-SetOpt = typer.Option(None, "--set", help="Override any config key: --set train.lr=3e-4 (repeatable).")
+SetOpt = typer.Option(
+    None, "--set", metavar="KEY=VALUE", help="Override any config key: --set train.lr=3e-4 (repeatable)."
+)
 
 
 def open_store(cfg: Config) -> Store:

@@ -26,7 +26,6 @@ import typer
 import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
-from rich.markup import escape
 
 from opd_cache.cli.common import SetOpt
 from opd_cache.config import Config, load_config, parse_set
@@ -103,7 +102,7 @@ def config_flag(key: str, field: FieldInfo, command: str, own_section: str) -> C
     if field.default is not None:
         help_text += f" (default {default_text(field.default)})"
     panel = f"{key.split('.')[0]} config keys" if "." in key else "top-level config keys"
-    option = typer.Option(None, *decls, help=escape(help_text), show_default=False, rich_help_panel=panel)
+    option = typer.Option(None, *decls, help=help_text, show_default=False, rich_help_panel=panel)
     python_name = "cfg__" + key.replace(".", "__")  # typer passes the value in as this keyword
     parameter = inspect.Parameter(python_name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind | None)
     return ConfigFlag(key, parameter, from_yaml)
@@ -152,7 +151,8 @@ class ConfigArgs:
         Then the command's own model folders (its section's `student` / `teacher`) are checked, so a missing local
         folder is one clear line before any tokenizer or model loads, in every command the same way.
         """
-        cfg = load_config(self.file, overrides=self.flags, sets=self.sets)
+        flag_names = {key: flag_name(key, self.own_section) for key in self.flags}  # to name them in an error
+        cfg = load_config(self.file, overrides=self.flags, sets=self.sets, flag_names=flag_names)
         if adjust is not None:
             cfg = adjust(cfg)
         if self.print_only:

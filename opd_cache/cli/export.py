@@ -21,6 +21,9 @@ def export_command(
     ),
     no_text: bool = typer.Option(False, "--no-text", help="Skip decoding: prompt/response text columns stay null."),
     teacher: list[str] | None = typer.Option(None, "--teacher", help="Export only this teacher (repeatable)."),
+    skip_damaged: bool = typer.Option(
+        False, "--skip-damaged", help="Leave damaged shards and parts out (counted) instead of stopping."
+    ),
 ) -> None:
     """Join every rollout shard with its teachers' parts and write one table per teacher under --to.
 
@@ -32,6 +35,10 @@ def export_command(
     from opd_cache.export import export_store
     from opd_cache.storage.store import Store
 
+    if no_text and tokenizer_path is not None:
+        raise ValueError(
+            "--tokenizer and --no-text contradict each other: --tokenizer decodes text, --no-text skips it"
+        )
     source = Store(store)
     plain = Every() if not err_console.is_terminal else None
     columns = [
@@ -58,6 +65,7 @@ def export_command(
             text=not no_text,
             teachers=teacher or None,
             on_shard=on_shard,
+            skip_damaged=skip_damaged,
         )
     for name, totals in result.teachers.items():
         console.print(
@@ -74,3 +82,11 @@ def export_command(
     console.print(
         f"exported {result.shards} shards in {duration(result.seconds)} to {result.to}", highlight=False, soft_wrap=True
     )
+    if result.damaged:
+        n = len(result.damaged)
+        console.print(
+            f"skipped {n} damaged shard part{'s' if n != 1 else ''} (--skip-damaged): {', '.join(result.damaged)}; "
+            f"`opd verify {store}` says what is wrong with each",
+            highlight=False,
+            soft_wrap=True,
+        )

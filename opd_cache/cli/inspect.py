@@ -12,6 +12,7 @@ import typer
 
 from opd_cache.cli.common import app, console, user_errors
 from opd_cache.storage import layout
+from opd_cache.storage.damage import DAMAGE_ERRORS, DamagedFiles
 from opd_cache.storage.schema import (
     META_ENGINE,
     META_ENGINE_VERSION,
@@ -27,10 +28,16 @@ def open_shard(shard: str) -> tuple[Store, str, pa.Table, object]:
     """Open a shard given by path or URI, without run checks (inspect must work on any shard)."""
     parent, _, name = shard.rstrip("/").rpartition("/")
     store = Store(parent or ".")
-    if store.fs.get_file_info(store.path(name)).type == pafs.FileType.Directory:
+    kind = store.fs.get_file_info(store.path(name)).type
+    if kind == pafs.FileType.Directory:
         inside = sorted(i.base_name for i in store.list_files(name) if i.base_name.endswith(".arrow"))
-        hint = f" (it holds {', '.join(inside)}: inspect one of them)" if inside else ""
-        raise ValueError(f"{shard} is a directory, not an Arrow shard{hint}")
+        hint = f"; it holds {', '.join(inside)}: inspect one of them" if inside else ""
+        raise ValueError(
+            f"{shard} is a folder but not a store (no run.json): opd inspect takes a store (a folder with "
+            f"run.json) or a shard (an .arrow file){hint}"
+        )
+    if kind == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"{shard} does not exist: opd inspect takes a store or a shard (an .arrow file)")
     table, meta = read_shard(store, name)
     return store, name, table, meta
 
@@ -72,6 +79,20 @@ def schema_metadata(table: pa.Table) -> dict[str, str]:
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in (table.schema.metadata or {}).items()}
 
 
+def load_decoder(path: str):
+    """A tokenizer that decodes ids for display. A folder with tokenizer.json is read by the `tokenizers` library
+    itself (milliseconds; the same text as transformers' fast tokenizer), not through transformers, whose import
+    (torch with it) took most of inspect's 5-9 s; any other folder goes through load_tokenizer."""
+    file = Path(path, "tokenizer.json")
+    if file.is_file():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(file))
+    from opd_cache.tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
+
+
 def _decode(tokenizer, ids) -> str:
     if tokenizer is None:
         return " ".join(map(str, ids))
@@ -86,26 +107,36 @@ def store_root(path: str) -> Store | None:
     return store if store.manifest.exists() else None
 
 
-def summarize_store(store: Store, on_file=None) -> dict:
+def summarize_store(store: Store, on_file=None, damaged: DamagedFiles | None = None) -> dict:
     """Teachers, k, rows, tokens and bytes per token of the annotations, policy versions, codec, engines.
 
     Reads every shard once through the validated reader (so its cost grows with the store; `on_file(rel)`
     reports each one). Bytes per token are the stored bytes of a teacher's parts over the tokens they score.
+    A damaged file stops it with a hint (storage/damage.py), or with `damaged.skip` is left out and counted.
     """
     run = store.manifest.require()
+    damaged = damaged or DamagedFiles(store.uri)
     shards, parts = store.shards.dataset()
-    rollout = {"shards": len(shards), "rows": 0, "response_tokens": 0, "bytes": 0}
+    rollout = {"shards": 0, "rows": 0, "response_tokens": 0, "bytes": 0}
     teachers: dict[str, dict] = {}
     for shard in shards:
-        table, _ = read_shard(store, shard.path)
-        rollout["rows"] += table.num_rows
-        rollout["response_tokens"] += int(list_lengths(table["response_ids"]).sum())
-        rollout["bytes"] += max(shard.size, 0)
+        try:
+            table, _ = read_shard(store, shard.path)
+            rollout["shards"] += 1
+            rollout["rows"] += table.num_rows
+            rollout["response_tokens"] += int(list_lengths(table["response_ids"]).sum())
+            rollout["bytes"] += max(shard.size, 0)
+        except DAMAGE_ERRORS as e:
+            damaged.met(shard.path, e)
         if on_file:
             on_file(shard.path)
         for teacher in sorted(parts.get(shard.shard_id, ())):
             rel = layout.annotated_path(shard.shard_id, teacher)
-            part, meta = read_shard(store, rel)
+            try:
+                part, meta = read_shard(store, rel)
+            except DAMAGE_ERRORS as e:
+                damaged.met(rel, e)
+                continue
             t = teachers.setdefault(
                 teacher,
                 {
@@ -158,6 +189,7 @@ def summarize_store(store: Store, on_file=None) -> dict:
         "published_dtype": _published_dtype(store),
         "rollouts": rollout,
         "teachers": teachers,
+        "damaged": damaged.files,  # path -> reason, with --skip-damaged (else a damaged file stops the summary)
     }
 
 
@@ -189,6 +221,14 @@ def print_store_summary(summary: dict) -> None:
         + (f" ({summary['published_dtype']})" if summary.get("published_dtype") else ""),
         highlight=False,
     )
+    if summary.get("damaged"):
+        n = len(summary["damaged"])
+        console.print(
+            f"  damaged: {n} file{'s' if n != 1 else ''} left out (--skip-damaged): "
+            f"{', '.join(summary['damaged'])}; `opd verify {summary['store']}` says what is wrong with each",
+            highlight=False,
+            soft_wrap=True,
+        )
     if not summary["teachers"]:
         console.print("  no annotations yet (run `opd annotate`)", highlight=False)
     for name, t in summary["teachers"].items():
@@ -240,11 +280,14 @@ def inspect_command(
     ),
     teacher: str | None = typer.Option(None, "--teacher", help="Teacher part to show per token (default: the first)."),
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
+    skip_damaged: bool = typer.Option(
+        False, "--skip-damaged", help="With a store: leave damaged files out of the summary (counted)."
+    ),
 ) -> None:
     """Print a shard's metadata, row and token counts, and one sample; or, given a store, a summary of it."""
     store_given = store_root(shard)
     if store_given is not None:
-        summary = summarize_store(store_given)
+        summary = summarize_store(store_given, damaged=DamagedFiles(shard, skip=skip_damaged))
         if as_json:
             print(json.dumps(summary))
         else:
@@ -268,9 +311,7 @@ def inspect_command(
         tok_path = None  # a hub id: decoding is a convenience, never a reason to go to the network
     if tok_path:
         try:
-            from opd_cache.tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(tok_path)
+            tokenizer = load_decoder(tok_path)
         except Exception:  # decoding is a convenience; ids are still shown
             tokenizer = None
 

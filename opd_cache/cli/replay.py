@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-import typer
+from pathlib import Path
 
-from opd_cache.cli.common import app, console, open_store, user_errors
+import typer
+import yaml
+
+from opd_cache.cli.common import app, console, err_console, open_store, user_errors
 from opd_cache.cli.config_flags import ConfigArgs, config_flags
+from opd_cache.config import Config
 
 
 @app.command("replay")
@@ -13,15 +17,22 @@ from opd_cache.cli.config_flags import ConfigArgs, config_flags
 # train.seed: --seed here is the replay's own (the order of shards and rows); --set train.seed=N seeds the trainer
 @config_flags("replay", sections=("store", "train"), own_section="train", exclude=("train.seed",))
 def replay_command(
-    sources: list[str] = typer.Option(..., "--from", help="A store whose annotated shards to train on (repeatable)."),
+    sources: list[str] = typer.Option(
+        ..., "--from", metavar="STORE", help="A store whose annotated shards to train on (repeatable)."
+    ),
     epochs: int = typer.Option(1, "--epochs", help="Passes over the selected rows."),
     seed: int = typer.Option(0, "--seed", help="Seed of the shard and row order."),
     shuffle: bool = typer.Option(True, "--shuffle/--no-shuffle", help="Shuffle shards and rows per epoch."),
     min_version: int | None = typer.Option(None, "--min-version", help="Only shards of policy version >= this."),
     max_version: int | None = typer.Option(None, "--max-version", help="Only shards of policy version <= this."),
-    teacher: list[str] | None = typer.Option(None, "--teacher", help="Only this teacher's annotations (repeatable)."),
+    teacher: list[str] | None = typer.Option(
+        None, "--teacher", metavar="NAME", help="Only this teacher's annotations (repeatable)."
+    ),
     data_source: list[str] | None = typer.Option(
-        None, "--data-source", help="Only rows of this data source (repeatable)."
+        None, "--data-source", metavar="NAME", help="Only rows of this data source (repeatable)."
+    ),
+    skip_damaged: bool = typer.Option(
+        False, "--skip-damaged", help="Leave damaged source shards out (counted) instead of stopping."
     ),
     *,
     args: ConfigArgs,
@@ -37,7 +48,7 @@ def replay_command(
 
     if "store.uri" not in args.flags:
         raise ValueError("opd replay needs --store DST: the replay's own store")
-    cfg = args.resolve()
+    cfg = args.resolve(adjust=lambda c: _source_lr_unless_given(c, args, sources[0]))
     # No step limit anywhere (flag, --set, config file): the replay runs every epoch, as many steps as they need.
     steps_from_epochs = (
         "train.max_steps" not in args.flags
@@ -53,5 +64,21 @@ def replay_command(
         max_version=max_version,
         teachers=list(teacher) if teacher else None,
         data_sources=list(data_source) if data_source else None,
+        skip_damaged=skip_damaged,
     )
     run_replay(cfg, open_store(cfg), spec, console=console, steps_from_epochs=steps_from_epochs)
+
+
+def _source_lr_unless_given(cfg: Config, args: ConfigArgs, source: str) -> Config:
+    """Without --lr (or train.lr in --config or --set) a replay trains at its source run's learning rate, not at
+    the trainer's default, which suits another model size."""
+    from opd_cache.train.replay import source_lr
+
+    in_file = args.file is not None and "lr" in ((yaml.safe_load(Path(args.file).read_text()) or {}).get("train") or {})
+    if "train.lr" in args.flags or in_file or any(s.split("=", 1)[0].strip() == "train.lr" for s in args.sets):
+        return cfg
+    lr = source_lr(source)
+    if lr is not None:
+        cfg.train.lr = lr
+        err_console.print(f"lr {lr:g}: the learning rate of the run in {source} (--lr sets another)", highlight=False)
+    return cfg

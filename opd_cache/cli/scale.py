@@ -17,12 +17,18 @@ def scale_command(
 ) -> None:
     """Write the wanted worker counts to the store; the Ray launcher adds or removes workers within seconds."""
     from opd_cache.launch.ray_launcher import SCALE_FILE
+    from opd_cache.storage.layout import TRAIN_DONE
     from opd_cache.storage.store import Store
 
     if rollout is None and annotate is None:
         raise ValueError("opd scale: give --rollout N and/or --annotate N")
     target = Store(store, s3_endpoint=s3_endpoint)
     target.manifest.require()  # a run's store, not a typo
+    if target.is_done():  # no launcher reads scale.json any more: the change would be silently ignored
+        raise ValueError(
+            f"opd scale: the run in {target.path('')} is finished ({target.path(TRAIN_DONE)} exists); "
+            f"nothing changed (worker counts apply to a running `opd run --launcher ray`)"
+        )
     desired = dict(target.read_json(SCALE_FILE, default={}) or {})
     desired.update({k: v for k, v in (("rollout", rollout), ("annotate", annotate)) if v is not None})
     target.write_json(SCALE_FILE, desired)

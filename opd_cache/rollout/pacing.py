@@ -31,6 +31,8 @@ class BacklogGauge:
         self.rows = _RowCounts()
         self._watch = ShardWatch(store)
         self.demand: int | None = None  # samples the trainer's remaining steps still lack (None: unknown)
+        # a trainer has written train/progress.json and is not DONE: someone consumes the backlog
+        self.trainer_running = False
 
     def backlog(self) -> int:
         latest = self.store.latest_version()
@@ -41,6 +43,7 @@ class BacklogGauge:
                 except (OSError, pa.ArrowInvalid):
                     self.rows[shard.shard_id] = 0  # unreadable: annotate will quarantine it
         progress = self.store.read_progress()
+        self.trainer_running = bool(progress) and not self.store.is_done()
         backlog = self.rows.total - int(progress.get("consumed_samples", 0)) - int(progress.get("expired_samples", 0))
         # demand-aware pacing (issue #14): what the remaining steps train, less what the backlog covers.
         # Expired rows left the backlog above; rows expiring while the trainer waits, it publishes then.

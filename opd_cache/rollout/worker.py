@@ -337,7 +337,10 @@ class RolloutWorker:
         """Too far ahead of the trainer: backlog over the buffer, policy too stale, or demand covered."""
         self.backlog = self.backlog_gauge.backlog()
         too_stale = is_too_stale(self.version, self.store.latest_version(), self.max_staleness)
-        return self.backlog > self.cfg.max_buffer_samples or too_stale or self.demand_covered()
+        # one pass over the prompts (no limit, no --follow), before any trainer: nothing would ever consume the
+        # backlog, so waiting on it would never end (the README's stages run one after another)
+        paced = self.prompt_limit is None or self.backlog_gauge.trainer_running
+        return (paced and self.backlog > self.cfg.max_buffer_samples) or too_stale or self.demand_covered()
 
     def demand_covered(self) -> bool:
         """The published rows and this worker's buffer cover all the trainer's remaining steps still need."""

@@ -14,6 +14,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+try:
+    # pyarrow's C++ converter (every to_numpy below) imports pandas on its first call and drops any exception
+    # raised meanwhile, the KeyboardInterrupt of a Ctrl-C included: a stage interrupted during that import
+    # (a second or more on a busy machine) went on working. Imported here, a Ctrl-C during it stops the process.
+    import pandas  # noqa: F401
+except ImportError:  # pyarrow works without pandas, and then imports nothing
+    pass
+
 
 class ShardError(ValueError):
     """A shard that cannot be used: truncated, foreign, from another run, or internally inconsistent."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
@@ -216,10 +217,26 @@ class ManifestFiles:
         return RunManifest.from_json(data, self.files.path(RUN_JSON)).with_teachers(self.teachers())
 
     def require(self) -> RunManifest:
+        if self.files.is_local and not Path(self.files.root).is_dir():
+            raise StoreError(self.no_run_reason())  # before reading: "README.md/run.json: Not a directory"
         run = self.read()
         if run is None:
-            raise StoreError(f"{self.files.path(RUN_JSON)} does not exist: run `opd rollout` on this store first")
+            raise StoreError(self.no_run_reason())
         return run
+
+    def no_run_reason(self) -> str:
+        """Why this store has no run: a mistyped path (no such folder) needs other advice than a store whose
+        first rollout has not started, or a folder that is no store at all."""
+        if not self.files.is_local:  # an object store has no folders: a missing prefix looks like an empty one
+            return (
+                f"{self.files.path(RUN_JSON)} does not exist: check the URI, or run `opd rollout` on this store first"
+            )
+        root = Path(self.files.root)
+        if not root.exists():
+            return f"store {root} does not exist (no such folder): check the path; `opd rollout` creates a new store"
+        if not root.is_dir():
+            return f"store {root} is a file, not a store folder"
+        return f"{root} holds no run ({RUN_JSON} is missing): not a store, or one whose `opd rollout` has not started"
 
     def wait(self, poll_seconds: float, say=None) -> RunManifest:
         """run.json once the first rollout worker has created it; `say` (e.g. print) hears once that this waits.

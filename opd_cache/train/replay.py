@@ -28,10 +28,11 @@ import pyarrow.compute as pc
 from rich.console import Console
 
 from opd_cache.config import Config
+from opd_cache.storage.damage import DAMAGE_ERRORS, DamagedFiles
 from opd_cache.storage.store import RUN_JSON, RunManifest, ShardInfo, Store
 from opd_cache.train.distributed import DistEnv, init_distributed
 from opd_cache.train.shard_data import ShardCache, ShardData, required_teachers
-from opd_cache.train.stream import GlobalBatch, StreamCursor, StreamEnd
+from opd_cache.train.stream import GlobalBatch, StopKind, StreamCursor, StreamEnd
 from opd_cache.train.trainer import Trainer, TrainResult
 
 
@@ -47,9 +48,13 @@ class ReplaySpec:
     max_version: int | None = None
     teachers: list[str] | None = None  # None: the teachers each source's run requires
     data_sources: list[str] | None = None  # None: every row
+    skip_damaged: bool = False  # a damaged source shard is left out (counted) instead of stopping the replay
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The selection, as run.json records it (skip_damaged is how to read it, not what it selects)."""
+        selection = asdict(self)
+        del selection["skip_damaged"]
+        return selection
 
 
 @dataclass
@@ -69,6 +74,8 @@ def open_sources(spec: ReplaySpec) -> list[Source]:
     sources = []
     for uri in spec.sources:
         store = Store(uri)
+        if not store.manifest.exists():
+            raise ValueError(f"--from {uri}: {store.manifest.no_run_reason()}")
         run = store.manifest.require()
         shards, parts = store.shards.dataset()
         teachers = required_teachers(run)
@@ -143,13 +150,26 @@ class ReplayCache:
     Shard ids repeat across stores (every run starts at v000000-w00-000000), so the key names its source.
     """
 
-    def __init__(self, sources: list[Source]):
+    def __init__(self, sources: list[Source], skip_damaged: bool = False):
         self.caches = [ShardCache(s.store, s.run, s.teachers) for s in sources]
         self.teachers = sorted({t for s in sources for t in s.teachers})
+        # a damaged shard stops the replay naming it (storage/damage.py), or is left out and counted
+        self.damaged = [DamagedFiles(s.store.uri, skip=skip_damaged) for s in sources]
 
-    def get(self, key: str) -> ShardData:
+    def get(self, key: str) -> ShardData | None:
+        """The shard's data; None for a damaged one when skipping them (a source is only read: no quarantine)."""
         index, _, shard_id = key.partition(":")
-        return self.caches[int(index)].get(shard_id)
+        damaged = self.damaged[int(index)]
+        if shard_id in damaged.files:
+            return None
+        try:
+            return self.caches[int(index)].get(shard_id)
+        except DAMAGE_ERRORS as e:
+            damaged.met(shard_id, e)  # raises unless skipping
+            return None
+
+    def skipped(self) -> int:
+        return sum(len(d.files) for d in self.damaged)
 
     def refresh_run(self) -> None:  # the trainer's loader calls it when no teacher is known: never for a replay
         pass
@@ -184,6 +204,11 @@ class ReplayStream:
         self.on_event = lambda message: None
         self.on_wait = None
         self._orders: dict[int, list[str]] = {}
+        self._skipped: set[str] = set()  # damaged shards already reported
+        self._source_uris = [source.store.uri for source in sources]
+
+    def source_of(self, key: str) -> str:
+        return self._source_uris[int(key.partition(":")[0])]
 
     def order(self, epoch: int) -> list[str]:
         """The shards of `epoch`, in the order they are read."""
@@ -218,6 +243,12 @@ class ReplayStream:
                 continue
             key = order[c.position]
             data = self.cache.get(key)
+            if data is None:  # damaged, left out with --skip-damaged
+                if key not in self._skipped:
+                    self._skipped.add(key)
+                    self.on_event(f"skipped damaged shard {key.partition(':')[2]} of --from {self.source_of(key)}")
+                c.position, c.current_rows = c.position + 1, 0
+                continue
             selected = self.rows(key, data, c.epoch)
             remaining = selected[c.current_rows :]
             if self.batch_samples is not None:
@@ -266,11 +297,23 @@ class ReplayStream:
         )
 
 
+def source_lr(uri: str) -> float | None:
+    """The learning rate a source store's run trained with: the peak `lr` of its trainer's metrics (the schedule
+    reaches train.lr after its warm-up, then holds or decays it); None without training metrics."""
+    from opd_cache.observe.metrics import read_metrics
+
+    store = Store(uri)
+    if not store.manifest.exists():
+        return None  # open_sources says what is wrong with it
+    rates = [r["lr"] for records in read_metrics(store, "train").values() for r in records if "lr" in r]
+    return max(rates) if rates else None
+
+
 def steps_for_epochs(sources: list[Source], spec: ReplaySpec, batch_samples: int) -> int:
     """Optimizer steps of `batch_samples` rows that every epoch of the selection needs (reads each shard once)."""
-    cache = ReplayCache(sources)
+    cache = ReplayCache(sources, skip_damaged=spec.skip_damaged)
     stream = ReplayStream(sources, cache, spec, batch_samples=batch_samples, batch_tokens=None)
-    rows = sum(len(stream.rows(key, cache.get(key), 0)) for key in stream.keys)
+    rows = sum(len(stream.rows(key, data, 0)) for key in stream.keys if (data := cache.get(key)) is not None)
     return max(1, -(-rows * spec.epochs // batch_samples))
 
 
@@ -278,8 +321,11 @@ class ReplayTrainer(Trainer):
     """`Trainer` with its data from the replay's sources instead of its own store's stream."""
 
     cursor_type = ReplayCursor
+    # the rows' policy versions are the source run's: their distance to this run's versions means nothing
+    step_line_staleness = False
     spec: ReplaySpec
     sources: list[Source]
+    cache: ReplayCache | None = None  # built by make_data
 
     def __init__(
         self,
@@ -296,7 +342,7 @@ class ReplayTrainer(Trainer):
         super().__init__(config, store, env, stop=stop, console=console)
 
     def make_data(self) -> tuple[ReplayCache, ReplayStream | None]:
-        cache = ReplayCache(self.sources)
+        cache = self.cache = ReplayCache(self.sources, skip_damaged=self.spec.skip_damaged)
         stream = None
         if self.env.rank == 0:
             stream = ReplayStream(
@@ -308,6 +354,16 @@ class ReplayTrainer(Trainer):
                 cursor=self.position.cursor.copy(),  # the stream moves its own copy ahead
             )
         return cache, stream
+
+    def _finish(self, kind: StopKind, reason: str) -> TrainResult:
+        result = super()._finish(kind, reason)
+        skipped = self.cache.skipped() if self.cache is not None else 0
+        if skipped and self.console:
+            self.console.print(
+                f"skipped {skipped} damaged source shard{'s' if skipped != 1 else ''} (--skip-damaged); "
+                f"`opd verify` on the --from stores says what is wrong with each"
+            )
+        return result
 
 
 def run_replay(

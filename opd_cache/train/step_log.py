@@ -63,7 +63,16 @@ class StepLog:
     tracker: Tracker | None  # train.report_to; None without trackers
     console: Console | None  # one line per step; None: none
 
-    def __init__(self, store: Store, config: Config, run_id: str, *, resumed_step: int, console: Console | None):
+    def __init__(
+        self,
+        store: Store,
+        config: Config,
+        run_id: str,
+        *,
+        resumed_step: int,
+        console: Console | None,
+        staleness: bool = True,
+    ):
         self.metrics = MetricsLog(store, "train", "0")
         self.metrics.rewrite(lambda record: record.get("step", 0) <= resumed_step)
         report_to = config.train.report_to
@@ -73,6 +82,7 @@ class StepLog:
             else None
         )
         self.console = console
+        self.staleness = staleness  # the line's staleness and expired counts (a replay has neither)
         self.max_steps = config.train.max_steps
 
     def log(self, record: dict, trained_samples: int) -> None:
@@ -80,14 +90,15 @@ class StepLog:
         if self.tracker is not None:  # the same numbers, live
             self.tracker.log(train_metrics(record, trained_samples), record["step"])
         if self.console:
-            stale = " ".join(f"{k}:{v}" for k, v in record["staleness"].items())
-            self.console.print(
+            line = (
                 f"step {record['step']:>5}/{self.max_steps} v{record['policy_version']} "
                 f"loss {record['loss']:.4f} gnorm {record['grad_norm']:.3f} lr {record['lr']:.2e} "
-                f"{record['tokens_per_s']:,.0f} tok/s wait {record['data_wait_s']:.2f}s "
-                f"staleness[{stale}] expired {record['expired_total']}",
-                highlight=False,
+                f"{record['tokens_per_s']:,.0f} tok/s wait {record['data_wait_s']:.2f}s"
             )
+            if self.staleness:
+                stale = " ".join(f"{k}:{v}" for k, v in record["staleness"].items())
+                line += f" staleness[{stale}] expired {record['expired_total']}"
+            self.console.print(line, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         self.metrics.flush()

@@ -96,6 +96,7 @@ class Trainer:
     """
 
     cursor_type: ClassVar[type[StreamCursor]] = StreamCursor  # the stream's position, as resume states hold it
+    step_line_staleness: ClassVar[bool] = True  # the step line shows the batch's staleness and the expired count
 
     # the configuration and this process
     config: Config
@@ -288,7 +289,12 @@ class Trainer:
             if store.is_done():
                 store.clear_done()  # training continues: a larger --max-steps than the finished run's
             self.step_log = StepLog(
-                store, self.config, self.run_manifest.run_id, resumed_step=position.step, console=self.console
+                store,
+                self.config,
+                self.run_manifest.run_id,
+                resumed_step=position.step,
+                console=self.console,
+                staleness=self.step_line_staleness,
             )
 
         cache, stream = self.make_data()

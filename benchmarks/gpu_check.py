@@ -24,9 +24,10 @@ import os
 import pkgutil
 import platform
 import re
+import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -139,18 +140,37 @@ REASON_LINE = re.compile(r"^(FAILED|ERROR) (\S+?)(?: - (.*))?$")
 
 
 def step_tests(record: StepRecord, select: str, collect_only: bool, deadline_s: float) -> None:
-    """pytest on the selection, streamed to this step's log; each failure an item. Stopped at `deadline_s` with
-    what finished recorded (the shell's limit would lose it)."""
     files = cuda_test_files() if select == "cuda" else GPU_DEFAULT_TESTS
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *files]
-    command += ["-m", "cuda"] if select == "cuda" else []
+    run_pytest(record, select, files, ["-m", "cuda"] if select == "cuda" else [], collect_only, deadline_s)
+
+
+def run_pytest(
+    record: StepRecord, label: str, files: list[str], args: list[str], collect_only: bool, deadline_s: float
+) -> None:
+    """pytest on `files`, streamed to this step's log; a summary item and one item per failed test. Stopped at
+    `deadline_s` with what finished recorded (the shell's limit would lose it)."""
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *files, *args]
     command += ["--collect-only", "-q"] if collect_only else ["-v", "-rfE", "--color=no"]
     print("$", " ".join(command), flush=True)
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # its own process group: at the deadline the tests' own subprocesses (trainers, torchrun) go with it
+    # COLUMNS: pytest cuts its short summary (the failure's message) to the terminal's width, 80 without one
+    env = {**os.environ, "COLUMNS": "400", "PYTHONUNBUFFERED": "1"}  # and each line as it is written
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     results, reasons, lines = {}, {}, []
-    start = time.monotonic()
-    timed_out = False
-    os.set_blocking(proc.stdout.fileno(), True)
+    fired = threading.Event()
+
+    def stop() -> None:  # at the deadline, even a test that hangs without output
+        fired.set()
+        os.killpg(proc.pid, signal.SIGKILL)
+
+    # the shell's limit for this step (GPU_CHECK_LIMIT_S) may be shorter than asked when the budget runs low
+    limit = float(os.environ.get("GPU_CHECK_LIMIT_S", "inf"))
+    deadline_s = min(deadline_s, limit - 10)
+    watchdog = threading.Timer(deadline_s, stop)
+    watchdog.start()
+    signal.signal(signal.SIGTERM, lambda *_: (stop(), sys.exit(143)))  # `timeout` stops this step anyway
     for line in proc.stdout:
         print(line, end="", flush=True)
         lines.append(line.rstrip("\n"))
@@ -158,32 +178,30 @@ def step_tests(record: StepRecord, select: str, collect_only: bool, deadline_s: 
             results[match.group(1)] = match.group(2)
         elif match := REASON_LINE.match(line.strip()):
             reasons[match.group(2)] = match.group(3) or ""
-        if time.monotonic() - start > deadline_s:
-            timed_out = True
-            proc.kill()
-            break
+    watchdog.cancel()
+    timed_out = fired.is_set()
     rc = proc.wait()
     if collect_only:
         collected = [line for line in lines if "::" in line]
         ok = rc == 0 and collected
-        record.item(f"pytest --collect-only ({select})", "passed" if ok else "failed", len(collected), "tests",
+        record.item(f"pytest --collect-only ({label})", "passed" if ok else "failed", len(collected), "tests",
                     f"{len(files)} file(s): {' '.join(files)}" if ok else f"exit {rc}: {lines[-1] if lines else ''}")  # fmt: skip
         return
     counts = {s: sum(v == s for v in results.values()) for s in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
     summary = ", ".join(f"{n} {s.lower()}" for s, n in counts.items() if n)
     if timed_out:
         record.item(
-            f"pytest ({select})", "failed", len(results), "tests", f"stopped after {deadline_s:.0f} s: {summary}"
+            f"pytest ({label})", "failed", len(results), "tests", f"stopped after {deadline_s:.0f} s: {summary}"
         )
     elif rc not in (0, 1, 5):
-        record.item(f"pytest ({select})", "failed", len(results), "tests", f"exit {rc}: {(lines or [''])[-1]}")
+        record.item(f"pytest ({label})", "failed", len(results), "tests", f"exit {rc}: {(lines or [''])[-1]}")
     elif not results:
-        record.item(f"pytest ({select})", "skipped", 0, "tests", "no test ran")
+        record.item(f"pytest ({label})", "skipped", 0, "tests", "no test ran")
     else:
         status = "failed" if counts["FAILED"] or counts["ERROR"] else "passed"
         if counts["PASSED"] == 0 and status == "passed":
             status = "skipped"
-        record.item(f"pytest ({select})", status, len(results), "tests", summary)
+        record.item(f"pytest ({label})", status, len(results), "tests", summary)
     for test, outcome in results.items():
         if outcome in ("FAILED", "ERROR"):
             record.item(test, "failed", note=reasons.get(test, outcome)[:300])

@@ -88,7 +88,7 @@ run_step() {
   printf 'status=running\nlimit=%s\ncommand=%s\n' "$limit" "$*" > "$status_file"
   report # a check killed during this step still reports it (as still running)
   local t0=$SECONDS rc
-  (exec timeout --kill-after=10 "$limit" "$@") > "$work/logs/$name.log" 2>&1
+  (export GPU_CHECK_LIMIT_S=$limit && exec timeout --kill-after=10 "$limit" "$@") > "$work/logs/$name.log" 2>&1
   rc=$?
   local reason=""
   if ((rc == 124 || rc == 137)); then

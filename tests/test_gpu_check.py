@@ -147,3 +147,28 @@ def test_gpu_check_sh_records_a_failed_step_skips_what_the_budget_cannot_fit_and
     assert "budget" in imports["reason"]
     assert "| **install** | **failed** |" in (out / "gpu_check.md").read_text()
     assert "| **install** | **failed** |" in run.stdout  # the table is printed at the end
+
+
+def test_run_pytest_records_each_failure_and_stops_at_the_deadline_with_what_finished(tmp_path):
+    import gpu_check
+
+    tests = tmp_path / "test_sample.py"
+    tests.write_text(
+        "import time, pytest\n"
+        "def test_ok(): pass\n"
+        "def test_wrong(): assert 1 == 2, 'one is not two'\n"
+        "@pytest.mark.skip(reason='not here')\n"
+        "def test_skipped(): pass\n"
+    )
+    record = gpu_report.StepRecord(None)
+    gpu_check.run_pytest(record, "sample", [str(tests)], [], collect_only=False, deadline_s=120)
+    items = {i["name"].rsplit("::", 1)[-1]: i for i in record.items}
+    assert items["pytest (sample)"]["status"] == "failed"
+    assert items["pytest (sample)"]["note"] == "1 passed, 1 failed, 1 skipped"
+    assert items["test_wrong"]["status"] == "failed" and "one is not two" in items["test_wrong"]["note"]
+
+    tests.write_text("import time\ndef test_ok(): pass\ndef test_hangs(): time.sleep(600)\n")
+    record = gpu_report.StepRecord(None)
+    gpu_check.run_pytest(record, "sample", [str(tests)], [], collect_only=False, deadline_s=8)
+    summary = record.items[0]
+    assert summary["status"] == "failed" and summary["note"] == "stopped after 8 s: 1 passed"

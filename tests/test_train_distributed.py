@@ -80,6 +80,7 @@ def test_two_processes_equal_one_then_resume_on_one(tmp_path, tiny_model_factory
     assert report["trained"] == 39 and report["duplicates"] == []
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 autocast on one device)")
 def test_single_gpu_bf16_trains(tmp_path, tiny_model_factory, tokenizer, teacher):  # noqa: F811
     student = tiny_model_factory("student", seed=0)
@@ -92,6 +93,7 @@ def test_single_gpu_bf16_trains(tmp_path, tiny_model_factory, tokenizer, teacher
     assert all(map(lambda x: x == x, losses)) and min(losses[-3:]) < max(losses[:3])
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL, FSDP2 on GPUs)")
 def test_two_gpus_equal_one_gpu(tmp_path, tiny_model_factory, tokenizer, teacher):  # noqa: F811
     student = tiny_model_factory("student", seed=0)

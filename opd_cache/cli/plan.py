@@ -17,6 +17,7 @@ from rich.table import Table
 
 from opd_cache.cli.common import SetOpt, app, console, user_errors
 
+WIDE = 130  # tables are printed at least this wide (a log file or a pipe would cut them at 80 columns)
 STAGE_RATE_FLAGS = {
     "rollout": ("--rollout-samples-per-s", "--rollout-tokens-per-s"),
     "annotate": ("--annotate-samples-per-s", "--annotate-tokens-per-s"),
@@ -98,8 +99,15 @@ def stage_services(rates: dict, tokens: dict, cv: float, measured: dict):
     return services
 
 
+def wide_console():
+    """The console, at least WIDE columns wide: a pipe or a log file would cut the tables at 80 columns."""
+    from rich.console import Console
+
+    return console if console.width >= WIDE else Console(width=WIDE, highlight=False)
+
+
 def _pct(x: float) -> str:
-    return f"{x:.1%}" if x < 0.1 else f"{x:.0%}"
+    return f"{x:.1%}"
 
 
 def _wall(summary) -> str:
@@ -112,26 +120,23 @@ def _wall(summary) -> str:
 
 
 def prediction_table(rows: list[tuple[str, object]], title: str) -> Table:
+    """One row per pacing (and the measured run): wall time, the trainer's busy share, expired rows per trained row,
+    mean staleness, rows sampled per trained row, the last step's wait, the longest wait with nothing under way."""
     table = Table(title=title, title_justify="left")
-    for column in (
-        "",
-        "wall time",
-        "trainer busy",
-        "expired / trained",
-        "mean staleness",
-        "sampled / trained",
-        "last step waits",
-    ):
-        table.add_column(column, justify="left" if not column else "right")
+    table.add_column("", no_wrap=True)
+    for column in ("wall time", "busy", "expired", "staleness", "sampled/trained", "last step wait", "mutual wait"):
+        table.add_column(column, justify="right", no_wrap=True)
     for label, r in rows:
+        predicted = hasattr(r, "wall_min_s")
         table.add_row(
             label,
-            _wall(r) if hasattr(r, "wall_min_s") else f"{r.span_s:,.0f} s",
+            _wall(r) if predicted else f"{r.span_s:,.0f} s",
             _pct(r.busy_share),
             _pct(r.expired_share),
             f"{r.mean_staleness:.2f}",
             f"{r.generated_per_trained:.2f}×",
             f"{r.last_step_wait_s:.1f} s",
+            f"{r.longest_mutual_wait_s:.1f} s" if predicted else "—",
         )
     return table
 
@@ -226,13 +231,9 @@ def plan_command(
     count, schedule = predict(spec, "count", seeds), predict(spec, "schedule", seeds)
     rows = [("today's pacing (count)", count), ("admission by schedule", schedule)]
     if calibration is not None:
-        rows.insert(0, ("measured in the store", calibration.measured))
-    console.print(
-        prediction_table(
-            rows, f"opd plan: {spec.steps} steps × {spec.batch_samples} samples, {seeds} simulated runs each"
-        ),
-        soft_wrap=True,
-    )
+        rows.insert(0, ("measured (this store)", calibration.measured))
+    title = f"opd plan: {spec.steps} steps × {spec.batch_samples} samples; predictions average {seeds} simulated runs"
+    wide_console().print(prediction_table(rows, title))
     console.print(f"settings: {settings_line(spec)}", highlight=False, soft_wrap=True)
     for note in calibration.notes if calibration is not None else ():
         console.print(f"note: {note}", highlight=False, soft_wrap=True)
@@ -332,4 +333,4 @@ def _print_gpu_table(counts, config, sets, tokens, batch_samples, steps, rates=N
             _pct(found.summary.busy_share) + ("" if found.met else " (target missed)"),
             _pct(found.summary.expired_share),
         )
-    console.print(table, soft_wrap=True)
+    wide_console().print(table)

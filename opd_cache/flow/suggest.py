@@ -279,7 +279,10 @@ def gpu_spec(rates: GpuRates, gpus: int, base: PipelineSpec, cv: float = 0.1) ->
 
 def gpu_plan(rates: GpuRates, gpus: int, base: PipelineSpec, target: Target = Target()) -> Suggestion:
     """How many rollout and annotate workers (one GPU each) keep a `gpus`-GPU trainer at the target; publish_every
-    is searched too (1, 2, 4, ... 32): a version every step rarely survives a publish and reload of seconds."""
+    is searched too (1, 2, 4, ... 64): a version every step rarely survives a publish and reload of seconds."""
     return suggest(
-        gpu_spec(rates, gpus, base), target=target, max_workers=max(64, 8 * gpus), publish_every=(1, 2, 4, 8, 16, 32)
+        gpu_spec(rates, gpus, base),
+        target=target,
+        max_workers=max(64, 8 * gpus),
+        publish_every=(1, 2, 4, 8, 16, 32, 64),
     )

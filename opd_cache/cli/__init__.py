@@ -12,6 +12,7 @@ from opd_cache.cli import (  # noqa: F401  (importing a command's module registe
     export,
     inspect,
     migrate,
+    plan,  # `opd plan`: the pipeline simulated (opd_cache/flow/simulate.py)
     replay,
     report,
     rollout,

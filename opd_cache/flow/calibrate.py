@@ -1,0 +1,202 @@
+"""`opd plan --from-store`: the pipeline model's inputs measured from a run's metrics, and what that run measured.
+
+The stages log one record per unit of work (observe/metrics.py), which is all the model needs:
+
+- rollout, `metrics/rollout-<worker>.jsonl`: per shard `rows`, `tokens` and `tokens_per_s` (the worker's
+  tokens over its seconds inside generate(), cumulative), so each shard's generate seconds are the differences of
+  tokens / tokens_per_s; `reload` events after each policy load;
+- annotate, `metrics/annotate-<worker>.jsonl`: per shard `rows` and `seconds` (read, score, write);
+- train, `metrics/train-0.jsonl`: per step `step_time_s` (compute), `data_wait_s` (waiting for the next batch),
+  the record's `time` (so what the step spent after its compute: ledger, publication, progress, state saves),
+  `samples`, `policy_version`, `staleness` and `expired_total`.
+
+The settings the metrics do not hold (n, the flush and buffer sizes, poll intervals, max_staleness) come from
+the run's configuration: the caller passes it (`opd plan --config`, or the `config.yaml` that `opd run` writes
+into the logs folder). This module takes the records as plain dicts (`read_metrics(store)`), so it reads no
+store itself.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+
+from opd_cache.flow.simulate import PipelineSpec, Service
+
+STAGES = ("rollout", "annotate", "train")
+
+
+class MissingMetricsError(ValueError):
+    """A store without the metrics of some stage; the message names the stages and the files."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a finished (or running) run measured, in the model's terms."""
+
+    span_s: float  # the first rollout batch's start -> the last step's end
+    steps: int
+    trained: int
+    generated: int
+    scored: int
+    expired: int
+    busy_share: float
+    mean_staleness: float
+    last_step_wait_s: float
+
+    @property
+    def expired_share(self) -> float:
+        return self.expired / self.trained if self.trained else 0.0
+
+    @property
+    def generated_per_trained(self) -> float:
+        return self.generated / self.trained if self.trained else 0.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    spec: PipelineSpec
+    measured: Measured
+    tokens_per_row: float  # response tokens per generated row (rollout's tokens / rows)
+    notes: tuple[str, ...] = ()  # what was assumed rather than measured
+    shard_rows: int = 0  # the median rows per rollout shard (flush_rows, when no configuration says)
+    samples_per_prompt: int = 0  # rows per prompt, from the workers' prompt cursors (n, likewise)
+
+
+def _records(metrics: dict[str, list[dict]], stage: str) -> dict[str, list[dict]]:
+    return {name: records for name, records in metrics.items() if name.startswith(f"{stage}-") and records}
+
+
+def _service(per_row_seconds: list[float], per_call_rows: float = 1.0) -> Service:
+    """A Service drawing from the measured spread: each call's seconds per row over their mean."""
+    mean = statistics.fmean(per_row_seconds)
+    cv = statistics.pstdev(per_row_seconds) / mean if len(per_row_seconds) > 1 and mean > 0 else 0.0
+    factors = tuple(round(x / mean, 4) for x in per_row_seconds) if mean > 0 else ()
+    return Service(per_row=mean / per_call_rows, cv=cv, factors=factors)
+
+
+def check_metrics(metrics: dict[str, list[dict]], where: str = "the store") -> None:
+    """Raise MissingMetricsError naming every stage without records (rollout shards, annotated shards, steps)."""
+    missing = []
+    if not any("shard" in r for recs in _records(metrics, "rollout").values() for r in recs):
+        missing.append("rollout (metrics/rollout-*.jsonl: no shard records)")
+    if not any(r.get("event") == "annotated" for recs in _records(metrics, "annotate").values() for r in recs):
+        missing.append("annotate (metrics/annotate-*.jsonl: no annotated records)")
+    if not any("step_time_s" in r for r in metrics.get("train-0", [])):
+        missing.append("train (metrics/train-0.jsonl: no step records)")
+    if missing:
+        raise MissingMetricsError(f"{where} has no metrics of {'; '.join(missing)}: run the pipeline on it first")
+
+
+def calibrate(metrics: dict[str, list[dict]], base: PipelineSpec, where: str = "the store") -> Calibration:
+    """The model's inputs measured from `metrics` (`read_metrics(store)`); the rest from `base` (the config)."""
+    check_metrics(metrics, where)
+    notes = []
+
+    # rollout: per-shard generate seconds, per row
+    rollout_workers = _records(metrics, "rollout")
+    per_row, gen_rows, gen_tokens, first_start, reload_gaps = [], 0, 0, None, []
+    for records in rollout_workers.values():
+        tokens_before = seconds_before = 0.0
+        previous = None
+        for r in records:
+            if r.get("event") == "reload" and previous is not None and "shard" in previous:
+                reload_gaps.append(r["time"] - previous["time"])  # flush, then load: the load's seconds
+            previous = r
+            if "shard" not in r:
+                continue
+            # tokens_per_s is this incarnation's tokens over its generate() seconds (a restart starts both
+            # again: its first shard then shows a negative difference, and is left out)
+            tokens = tokens_before + r["tokens"]
+            seconds = tokens / r["tokens_per_s"] if r.get("tokens_per_s") else seconds_before
+            shard_seconds = seconds - seconds_before
+            if shard_seconds > 0 and r["rows"] > 0:
+                per_row.append(shard_seconds / r["rows"])
+                start = r["time"] - shard_seconds
+                first_start = start if first_start is None else min(first_start, start)
+            gen_rows += r["rows"]
+            gen_tokens += r["tokens"]
+            tokens_before, seconds_before = tokens, seconds
+    rollout = _service(per_row[1:] or per_row)  # the first batch warms the engine up
+
+    # annotate: per-shard seconds, per row
+    annotated = [
+        r
+        for recs in _records(metrics, "annotate").values()
+        for r in recs
+        if r.get("event") == "annotated" and r["rows"]
+    ]
+    annotate = _service([r["seconds"] / r["rows"] for r in annotated[1:] or annotated])
+
+    # train: compute per step, what follows it, state saves
+    train = sorted((r for r in metrics["train-0"] if "step_time_s" in r), key=lambda r: r["step"])
+    batch = round(statistics.median(r["samples"] for r in train))
+    trainer = _service([r["step_time_s"] for r in train[1:] or train], per_call_rows=batch)
+    after = {}
+    for prev, r in zip(train, train[1:]):
+        if r["step"] == prev["step"] + 1:
+            after[r["step"]] = max(0.0, r["time"] - prev["time"] - r["step_time_s"] - r["data_wait_s"])
+    save_every = base.save_every
+    ordinary = [s for step, s in after.items() if step % save_every]
+    overhead = statistics.median(ordinary) if ordinary else 0.0
+    saves = [s - overhead for step, s in after.items() if step % save_every == 0]
+    save_s = max(0.0, statistics.fmean(saves)) if saves else 0.0
+    versions = [r["policy_version"] for r in train]
+    if len(train) >= 2 and train[-1]["step"] > train[0]["step"]:
+        publish_every = max(1, round((train[-1]["step"] - train[0]["step"]) / max(1, versions[-1] - versions[0])))
+        if publish_every != base.publish_every:
+            notes.append(
+                f"publish_every {publish_every} from the policy versions (the config says {base.publish_every})"
+            )
+    else:
+        publish_every = base.publish_every
+    reload_s = statistics.median(reload_gaps) if reload_gaps else base.reload_latency_s
+    if not reload_gaps:
+        notes.append("no reload records: reload latency from the configuration's default")
+
+    spec = replace(
+        base,
+        rollout=rollout,
+        annotate=annotate,
+        train=trainer,
+        batch_samples=batch,
+        steps=train[-1]["step"],
+        publish_every=publish_every,
+        rollout_workers=len(rollout_workers),
+        annotate_workers=len(_records(metrics, "annotate")),
+        train_overhead_s=overhead,
+        save_s=save_s,
+        reload_latency_s=reload_s,
+        startup_s=0.0,
+    )
+
+    trained = sum(r["samples"] for r in train)
+    staleness = sum(int(k) * v for r in train for k, v in (r.get("staleness") or {}).items())
+    compute = sum(r["step_time_s"] for r in train)
+    wait = sum(r["data_wait_s"] for r in train)
+    measured = Measured(
+        span_s=train[-1]["time"] - (first_start if first_start is not None else train[0]["time"]),
+        steps=len(train),
+        trained=trained,
+        generated=gen_rows,
+        scored=sum(r["rows"] for r in annotated),
+        expired=int(train[-1].get("expired_total", 0)),
+        busy_share=compute / (compute + wait) if compute + wait else 0.0,
+        mean_staleness=staleness / trained if trained else 0.0,
+        last_step_wait_s=train[-1]["data_wait_s"],
+    )
+    shards = [r for recs in rollout_workers.values() for r in recs if "shard" in r]
+    per_prompt = [
+        (b["total_samples"] - a["total_samples"]) / (b["cursor"] - a["cursor"])
+        for recs in rollout_workers.values()
+        for a, b in zip([r for r in recs if "shard" in r], [r for r in recs if "shard" in r][1:])
+        if b.get("cursor", 0) > a.get("cursor", 0)
+    ]
+    return Calibration(
+        spec,
+        measured,
+        gen_tokens / gen_rows if gen_rows else 0.0,
+        tuple(notes),
+        shard_rows=round(statistics.median(r["rows"] for r in shards)),
+        samples_per_prompt=round(statistics.median(per_prompt)) if per_prompt else 0,
+    )

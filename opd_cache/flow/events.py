@@ -1,0 +1,146 @@
+"""A small discrete-event kernel for `opd plan`'s pipeline model (flow/simulate.py).
+
+A process is a Python generator that yields what it waits for:
+
+- a number: sleep that many simulated seconds (a poll interval, a publish latency);
+- a `Signal`: wake when another process fires it (the trainer's queue of prefetched batches);
+- `Work(seconds)`: compute for that many seconds of one core; with `cores` set, the busy processes share the
+  cores (processor sharing: k jobs on c < k cores each run at c / k), which is how three stages and an
+  evaluator share a 2-core machine.
+
+`Simulation.run()` pops events in time order (ties in the order they were scheduled, so a run is deterministic)
+until no process is left or `until` is reached. Nothing here knows about stages.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Generator
+from dataclasses import dataclass
+
+Process = Generator[object, object, None]
+
+
+@dataclass(frozen=True)
+class Work:
+    """Compute for `seconds` of one core (stretched while more processes compute than there are cores)."""
+
+    seconds: float
+
+
+class Signal:
+    """Processes wait on it (`yield signal`); `fire()` wakes every one of them at the current time."""
+
+    def __init__(self, sim: Simulation):
+        self.sim = sim
+        self.waiters: list[Process] = []
+
+    def fire(self) -> None:
+        waiters, self.waiters = self.waiters, []
+        for process in waiters:
+            self.sim.resume_at(self.sim.now, process)
+
+
+class Processors:
+    """`cores` cores shared by the processes computing (`Work`); None: every process has a core of its own."""
+
+    def __init__(self, sim: Simulation, cores: float | None):
+        self.sim, self.cores = sim, cores
+        self.jobs: dict[int, list] = {}  # job id -> [remaining core-seconds, process]
+        self._next_id = 0
+        self._updated = 0.0
+        self._epoch = 0  # invalidates completion events scheduled before the last change
+        self.busy_seconds = 0.0  # core-seconds computed
+
+    def rate(self) -> float:
+        """Core-seconds per second each running job gets now."""
+        if self.cores is None or len(self.jobs) <= self.cores:
+            return 1.0
+        return self.cores / len(self.jobs)
+
+    def start(self, seconds: float, process: Process) -> None:
+        if self.cores is None:
+            self.busy_seconds += seconds
+            self.sim.resume_at(self.sim.now + seconds, process)
+            return
+        self._advance()
+        self.jobs[self._next_id] = [seconds, process]
+        self._next_id += 1
+        self._reschedule()
+
+    def _advance(self) -> None:
+        """Charge the time since the last change to every running job."""
+        elapsed = self.sim.now - self._updated
+        if elapsed > 0 and self.jobs:
+            done = elapsed * self.rate()
+            for job in self.jobs.values():
+                job[0] -= done
+            self.busy_seconds += done * len(self.jobs)
+        self._updated = self.sim.now
+
+    def _reschedule(self) -> None:
+        self._epoch += 1
+        if not self.jobs:
+            return
+        soonest = min(remaining for remaining, _ in self.jobs.values())
+        epoch = self._epoch
+        self.sim.call_at(self.sim.now + max(soonest, 0.0) / self.rate(), lambda: self._finish(epoch))
+
+    def _finish(self, epoch: int) -> None:
+        if epoch != self._epoch:
+            return  # the job set changed since this completion was scheduled
+        self._advance()
+        for job_id, (remaining, process) in list(self.jobs.items()):
+            if remaining <= 1e-9:
+                del self.jobs[job_id]
+                self.sim.resume_at(self.sim.now, process)
+        self._reschedule()
+
+
+class Simulation:
+    """The clock and the event queue."""
+
+    def __init__(self, cores: float | None = None):
+        self.now = 0.0
+        self._queue: list[tuple[float, int, object]] = []
+        self._seq = 0
+        self.events = 0
+        self.cpu = Processors(self, cores)
+
+    def spawn(self, process: Process) -> None:
+        self.resume_at(self.now, process)
+
+    def resume_at(self, time: float, process: Process) -> None:
+        self._push(time, process)
+
+    def call_at(self, time: float, callback) -> None:
+        self._push(time, callback)
+
+    def _push(self, time: float, item: object) -> None:
+        heapq.heappush(self._queue, (time, self._seq, item))
+        self._seq += 1
+
+    def run(self, until: float = float("inf")) -> None:
+        while self._queue:
+            if self._queue[0][0] > until:
+                self.now = until
+                return
+            time, _, item = heapq.heappop(self._queue)
+            self.now = time
+            self.events += 1
+            if callable(item) and not hasattr(item, "send"):
+                item()
+                continue
+            self._step(item)
+
+    def _step(self, process: Process) -> None:
+        try:
+            wanted = next(process)
+        except StopIteration:
+            return
+        if isinstance(wanted, Work):
+            self.cpu.start(max(wanted.seconds, 0.0), process)
+        elif isinstance(wanted, Signal):
+            wanted.waiters.append(process)
+        else:
+            self.resume_at(self.now + max(float(wanted), 0.0), process)

@@ -1,0 +1,172 @@
+"""`opd plan` (opd_cache/cli/plan.py): rates from flags, from a config, measured from a store; the GPU table; bad
+input as one line naming the flag (or the stage whose metrics a store lacks)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from opd_cache.cli import app
+from opd_cache.flow.calibrate import MissingMetricsError, calibrate
+from opd_cache.observe.metrics import MetricsLog, read_metrics
+from opd_cache.storage.store import Store
+from tests.flow_helpers import finish_tiny_run, tiny_config
+
+RATES = ["--rollout-samples-per-s", "500", "--annotate-samples-per-s", "600", "--train-samples-per-s", "400"]
+
+
+def opd(*args) -> object:
+    return CliRunner().invoke(app, ["plan", *[str(a) for a in args]])
+
+
+def row(output: str, label: str) -> list[str]:
+    """The cells of the table row whose first cell starts with `label`."""
+    for line in output.splitlines():
+        cells = [cell.strip() for cell in line.strip("│┃ ").split("│")]
+        if line.startswith("│") and cells[0].startswith(label):
+            return cells
+    raise AssertionError(f"no row {label!r} in:\n{output}")
+
+
+def percent(cell: str) -> float:
+    return float(cell.rstrip("%")) / 100
+
+
+def assert_refused(result, message: str) -> None:
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
+    assert message in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------------- inputs from flags and from a config
+def test_plan_from_flags_compares_both_pacings():
+    result = opd(*RATES, "--steps", 200, "--batch-samples", 32, "--no-suggest")
+    assert result.exit_code == 0, result.output
+    assert "200 steps × 32 samples" in result.stdout
+    count, schedule = row(result.stdout, "today's pacing"), row(result.stdout, "admission by schedule")
+    assert percent(schedule[3]) == 0.0  # nothing expires by schedule
+    assert schedule[5] == "1.00×" and float(count[5].rstrip("×")) >= 1.0
+    assert "rollout workers 1, annotate workers 1" in result.stdout
+
+
+def test_plan_from_a_config_with_token_rates_and_a_suggestion(tmp_path):
+    config = tiny_config(tmp_path, steps=120, batch=16)
+    result = opd(
+        "--config", config,
+        "--rollout-tokens-per-s", 2000, "--response-tokens", 10,
+        "--annotate-tokens-per-s", 9000, "--prompt-tokens", 20,
+        "--train-tokens-per-s", 20000,
+        "--seeds", 1,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "120 steps × 16 samples" in result.stdout
+    # rollout makes 2000 / 10 = 200 samples/s; the trainer takes 20000 / 30 = 667: rollout must grow
+    suggested = re.search(r"suggested .*?: rollout workers (\d+), annotate workers (\d+)", result.stdout)
+    assert suggested, result.stdout
+    assert int(suggested.group(1)) >= 3
+
+
+def test_the_gpu_table_sizes_rollout_and_annotate_for_each_trainer():
+    result = opd("--gpus", "1,4", "--batch-samples", 256, "--steps", 120)
+    assert result.exit_code == 0, result.output
+    assert "assumed on paper" in result.stdout
+    one, four = row(result.stdout, "1"), row(result.stdout, "4")
+    # four times the trainer's speed needs more rollout and annotate GPUs to keep it busy
+    assert int(four[1]) > int(one[1]) and int(four[2]) > int(one[2])
+    assert percent(four[5].split()[0]) >= 0.95 and percent(four[6]) <= 0.01
+
+
+# ---------------------------------------------------------------------- measured from a store
+@pytest.fixture(scope="module")
+def finished_store(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("plan-store")
+    store, cfg = finish_tiny_run(folder, steps=4, batch=8)
+    return store, folder / "config.yaml"
+
+
+def test_plan_from_a_real_store_reads_each_stages_metrics(finished_store):
+    store, config = finished_store
+    measured = read_metrics(store)
+    result = opd("--from-store", store.uri, "--config", config, "--no-suggest", "--seeds", 1)
+    assert result.exit_code == 0, result.output
+    cells = row(result.stdout, "measured (this store)")
+    train = measured["train-0"]
+    busy = sum(r["step_time_s"] for r in train) / sum(r["step_time_s"] + r["data_wait_s"] for r in train)
+    assert percent(cells[2]) == pytest.approx(busy, abs=0.001)
+    assert cells[5] == "1.00×"  # 32 sampled for 32 trained
+    # the rates are the stages' own: seconds per row from the records
+    calibration = calibrate(measured, calibrate_base(config))
+    annotated = [r for r in measured["annotate-teacher-0"] if r.get("event") == "annotated"]
+    assert calibration.spec.annotate.per_row == pytest.approx(
+        sum(r["seconds"] / r["rows"] for r in annotated[1:]) / (len(annotated) - 1)
+    )
+    assert calibration.spec.train.per_row == pytest.approx(sum(r["step_time_s"] for r in train[1:]) / 3 / 8)
+    assert calibration.spec.steps == 4 and calibration.spec.batch_samples == 8
+    assert calibration.samples_per_prompt == 4 and calibration.shard_rows == 8
+
+
+def calibrate_base(config):
+    from opd_cache.cli.plan import spec_from_config
+    from opd_cache.config import load_config
+    from opd_cache.flow.simulate import Service
+
+    one = Service(per_row=1.0)
+    return spec_from_config(load_config(config), one, one, one)
+
+
+def write_records(store: Store, stage: str, worker: str, records: list[dict]) -> None:
+    log = MetricsLog(store, stage, worker)
+    for record in records:
+        log.log(record)
+    log.flush()
+
+
+def test_from_store_without_metrics_names_the_missing_stages(local_store):
+    local_store.manifest.ensure(student="student", tokenizer_fingerprint="fp-test")
+    result = opd("--from-store", local_store.uri)
+    assert_refused(result, "has no metrics of rollout")
+    assert "annotate" in result.stderr and "train" in result.stderr
+    # rollout's records alone: annotate's and the trainer's are still missing
+    write_records(
+        local_store, "rollout", "w00", [{"shard": "v000000-w00-000000", "rows": 8, "tokens": 80, "tokens_per_s": 800.0}]
+    )
+    result = opd("--from-store", local_store.uri)
+    assert_refused(result, "has no metrics of annotate (metrics/annotate-*.jsonl: no annotated records); train")
+    assert "rollout (" not in result.stderr
+    with pytest.raises(MissingMetricsError, match="train"):
+        calibrate(read_metrics(local_store), calibrate_base(None))
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "no rollout rate: give --rollout-samples-per-s or --rollout-tokens-per-s (or --from-store STORE)"),
+        (RATES[:4], "no train rate: give --train-samples-per-s or --train-tokens-per-s"),
+        (
+            [*RATES, "--rollout-tokens-per-s", "3000"],
+            "--rollout-samples-per-s and --rollout-tokens-per-s: give one rate for rollout, not both",
+        ),
+        (
+            [*RATES[2:], "--rollout-tokens-per-s", "3000"],
+            "--rollout-tokens-per-s needs --response-tokens (tokens per sample)",
+        ),
+        (
+            [*RATES[:4], "--train-tokens-per-s", "9000", "--response-tokens", "10"],
+            "--train-tokens-per-s needs --prompt-tokens (tokens per sample)",
+        ),
+        ([*RATES[:2], "--annotate-samples-per-s", "0", *RATES[4:]], "--annotate-samples-per-s: must be > 0"),
+        (["--gpus", "8,x"], "--gpus '8,x': expected GPU counts separated by commas"),
+    ],
+)
+def test_missing_or_contradictory_rates_are_one_line_naming_the_flag(args, message):
+    assert_refused(opd(*args, "--no-suggest"), message)
+
+
+def test_a_token_budget_config_needs_a_sample_count(tmp_path):
+    config = tmp_path / "tokens.yaml"
+    config.write_text("train:\n  global_batch_tokens: 4096\n")
+    assert_refused(opd("--config", config, *RATES, "--no-suggest"), "give --batch-samples N")
+    assert opd("--config", config, *RATES, "--batch-samples", 16, "--steps", 50, "--no-suggest").exit_code == 0

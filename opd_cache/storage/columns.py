@@ -4,6 +4,11 @@ Per-token columns are `list<…>` with one entry per response token; per-token
 top-k columns are `list<fixed_size_list<…, k>>`, so a whole column decodes to a
 dense `[total_tokens, k]` array without any per-row work.
 
+Schema version 2 adds two optional per-response-token columns to rollout shards, for multi-turn rows (a
+conversation rendered into one token sequence, docs/design.md §3 "Schema version 2"): `loss_mask` (uint8, 1 = a
+token the student sampled in an assistant turn) and `turn_index` (int16, the message the token belongs to).
+Both or neither; a null entry is a single-turn row (every response position trained).
+
 opd_cache/storage/codec.py (the packed annotation columns) and opd_cache/storage/schema.py (shard
 metadata, reading, writing, validation) both build on this module; it imports neither.
 """
@@ -19,7 +24,13 @@ class ShardError(ValueError):
     """A shard that cannot be used: truncated, foreign, from another run, or internally inconsistent."""
 
 
-def rollout_schema(student_topk: int = 0) -> pa.Schema:
+LOSS_MASK = "loss_mask"
+TURN_INDEX = "turn_index"
+MULTI_TURN_COLUMNS = (LOSS_MASK, TURN_INDEX)
+
+
+def rollout_schema(student_topk: int = 0, multi_turn: bool = False) -> pa.Schema:
+    """The rollout shard's columns; `multi_turn` adds `loss_mask` and `turn_index` (schema version 2)."""
     fields = [
         pa.field("sample_id", pa.string(), nullable=False),
         pa.field("prompt_index", pa.int64(), nullable=False),
@@ -33,6 +44,8 @@ def rollout_schema(student_topk: int = 0) -> pa.Schema:
         pa.field("ground_truth", pa.string()),
         pa.field("extra", pa.string()),
     ]
+    if multi_turn:  # per-token columns stay together, after behavior_logprobs (and student_topk_ids)
+        fields[6:6] = [pa.field(LOSS_MASK, pa.list_(pa.uint8())), pa.field(TURN_INDEX, pa.list_(pa.int16()))]
     if student_topk:
         fields.insert(6, pa.field("student_topk_ids", pa.list_(pa.list_(pa.int32(), student_topk))))
     return pa.schema(fields)
@@ -91,3 +104,22 @@ def flat_values(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
 
 def list_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def trained_mask(table: pa.Table) -> np.ndarray:
+    """One bool per response token of `table` (rows concatenated): the positions the student trains on.
+
+    Every position of a single-turn row (no `loss_mask` column, or a null entry), the mask-1 positions of a
+    multi-turn row. Annotated parts hold one entry per True here (docs/design.md, "Trained positions").
+    """
+    lengths = list_lengths(table["response_ids"])
+    trained = np.ones(int(lengths.sum()), dtype=bool)
+    if LOSS_MASK not in table.schema.names:
+        return trained
+    column = table[LOSS_MASK]
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    has_mask = ~column.is_null().to_numpy(zero_copy_only=False)
+    if has_mask.any():  # masks have their row's response length (validated), so they line up token by token
+        masked_tokens = np.repeat(has_mask, lengths)
+        trained[masked_tokens] = flat_values(column) != 0
+    return trained

@@ -10,6 +10,7 @@ from opd_cache.cli import (  # noqa: F401  (importing a command's module registe
     check_engines,
     evaluate,
     export,
+    ingest,
     inspect,
     migrate,
     replay,

@@ -137,26 +137,27 @@ def _content_text(content: Any, where: str) -> str:
     raise MessageError(f"{where}: 'content' must be text, got {type(content).__name__}")
 
 
-def check_conversation(messages: list[Message], where: str, tool_names: set[str] | None = None) -> None:
+def check_conversation(messages: list[Message], where: str = "", tool_names: set[str] | None = None) -> None:
     """A conversation that can become a training row: a context before the first assistant turn, at least one
     trained assistant turn, tool messages only answering tool calls, and (when `tool_names` is given) calls only
-    to those tools."""
+    to those tools. `where` prefixes the error messages (e.g. "rows.jsonl:3")."""
+    where = f"{where}: " if where else ""
     if not messages:
-        raise MessageError(f"{where}: the conversation has no messages")
+        raise MessageError(f"{where}the conversation has no messages")
     if messages[0].role == "assistant":
         raise MessageError(
-            f"{where}: message 0 is an assistant turn; a conversation starts with a system or user message"
+            f"{where}message 0 is an assistant turn; a conversation starts with a system or user message"
         )
     if not any(m.role == "assistant" and m.trained for m in messages):
-        raise MessageError(f"{where}: no assistant message to train on (none, or all with weight 0)")
+        raise MessageError(f"{where}no assistant message to train on (none, or all with weight 0)")
     previous = None
     for i, message in enumerate(messages):
         if message.role == "tool" and not (previous is not None and (previous.role == "tool" or previous.tool_calls)):
-            raise MessageError(f"{where}: message {i} is a tool result that follows no tool call")
+            raise MessageError(f"{where}message {i} is a tool result that follows no tool call")
         for call in message.tool_calls:
             if tool_names is not None and call.name not in tool_names:
                 known = ", ".join(sorted(tool_names)) or "none"
-                raise MessageError(f"{where}: message {i} calls unknown tool {call.name!r} (known tools: {known})")
+                raise MessageError(f"{where}message {i} calls unknown tool {call.name!r} (known tools: {known})")
         previous = message
 
 

@@ -28,6 +28,7 @@ from opd_cache.storage.columns import (
     TURN_INDEX,
     ShardError,
     annotated_schema,
+    check_multi_turn,
     flat_values,
     list_lengths,
     ragged,
@@ -283,7 +284,7 @@ def validate_table(table: pa.Table, meta: ShardMeta, where: str) -> None:
             raise ShardError(f"{where}: row {int(np.argmin(prompt_lengths))} has an empty prompt")
         _check_same_lengths(table, "response_ids", ["behavior_logprobs", "student_topk_ids"], where)
         if LOSS_MASK in table.schema.names:
-            _check_multi_turn(table, where)
+            check_multi_turn(table, where)
     else:
         _check_same_lengths(
             table,
@@ -304,60 +305,6 @@ def _has_multi_turn_columns(table: pa.Table, meta: ShardMeta, where: str) -> boo
         missing = next(name for name in MULTI_TURN_COLUMNS if name not in present)
         raise ShardError(f"{where}: column {present[0]!r} without {missing!r} (multi-turn rows need both)")
     return bool(present)
-
-
-def _check_multi_turn(table: pa.Table, where: str) -> None:
-    """Multi-turn rows: a mask and a turn index per response token, mask values 0/1, at least one trained token,
-    turn indices that never go back, behavior log-probs 0.0 where nothing is trained. Null entries (single-turn
-    rows) are not looked at. Vectorised over the whole column."""
-
-    def row_error(r: int, problem: str) -> ShardError:
-        return ShardError(f"{where}: row {r} (sample {table['sample_id'][r].as_py()!r}) {problem}")
-
-    mask_null = table[LOSS_MASK].is_null().to_numpy(zero_copy_only=False)
-    turn_null = table[TURN_INDEX].is_null().to_numpy(zero_copy_only=False)
-    differ = np.nonzero(mask_null != turn_null)[0]
-    if len(differ):
-        r = int(differ[0])
-        has, lacks = (TURN_INDEX, LOSS_MASK) if mask_null[r] else (LOSS_MASK, TURN_INDEX)
-        raise row_error(r, f"has a {has!r} but no {lacks!r}")
-    rows = np.nonzero(~mask_null)[0]
-    if not len(rows):
-        return
-    multi = table.take(pa.array(rows))
-    response = list_lengths(multi["response_ids"])
-    for name in MULTI_TURN_COLUMNS:
-        got = list_lengths(multi[name])
-        bad = np.nonzero(got != response)[0]
-        if len(bad):
-            r = int(bad[0])
-            raise row_error(int(rows[r]), f"has {got[r]} entries in {name!r} but {response[r]} in 'response_ids'")
-    mask = flat_values(multi[LOSS_MASK])
-    ends = np.cumsum(response)  # row r's tokens are [ends[r - 1], ends[r]) of the flat columns
-
-    def row_of(position: int) -> int:
-        return int(rows[int(np.searchsorted(ends, position, side="right"))])
-
-    if len(mask) and mask.max() > 1:
-        position = int(np.argmax(mask > 1))
-        raise row_error(row_of(position), f"has loss_mask value {int(mask[position])}: the mask holds 0 or 1")
-    trained = np.diff(np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])[np.concatenate([[0], ends])])
-    empty = np.nonzero(trained == 0)[0]
-    if len(empty):
-        raise row_error(
-            int(rows[int(empty[0])]),
-            "has no trained token (its loss_mask is all 0): a row with nothing to train is not written",
-        )
-    turns = flat_values(multi[TURN_INDEX]).astype(np.int64)
-    steps = np.diff(turns)
-    steps[ends[:-1][ends[:-1] > 0] - 1] = 0  # the step from one row's last token to the next row's first
-    if len(turns) and (turns.min() < 0 or steps.min(initial=0) < 0):
-        position = int(np.argmax(turns < 0)) if turns.min() < 0 else int(np.argmax(steps < 0)) + 1
-        raise row_error(row_of(position), "has a turn_index that is negative or goes back (messages are in order)")
-    behavior = flat_values(multi["behavior_logprobs"])
-    stray = np.nonzero((mask == 0) & (behavior != 0))[0]
-    if len(stray):
-        raise row_error(row_of(int(stray[0])), "has a behavior log-prob other than 0.0 where loss_mask is 0")
 
 
 def _check_same_lengths(table: pa.Table, reference: str, others: list[str], where: str) -> None:

@@ -10,6 +10,7 @@ from opd_cache.cli import (  # noqa: F401  (importing a command's module registe
     check_engines,
     evaluate,
     export,
+    ingest,
     inspect,
     migrate,
     plan,  # `opd plan`: the pipeline simulated (opd_cache/flow/simulate.py)

@@ -4,6 +4,11 @@ Per-token columns are `list<…>` with one entry per response token; per-token
 top-k columns are `list<fixed_size_list<…, k>>`, so a whole column decodes to a
 dense `[total_tokens, k]` array without any per-row work.
 
+Schema version 2 adds two optional per-response-token columns to rollout shards, for multi-turn rows (a
+conversation rendered into one token sequence, docs/design.md §3 "Schema version 2"): `loss_mask` (uint8, 1 = a
+token the student sampled in an assistant turn) and `turn_index` (int16, the message the token belongs to).
+Both or neither; a null entry is a single-turn row (every response position trained).
+
 opd_cache/storage/codec.py (the packed annotation columns) and opd_cache/storage/schema.py (shard
 metadata, reading, writing, validation) both build on this module; it imports neither.
 """
@@ -27,7 +32,13 @@ class ShardError(ValueError):
     """A shard that cannot be used: truncated, foreign, from another run, or internally inconsistent."""
 
 
-def rollout_schema(student_topk: int = 0) -> pa.Schema:
+LOSS_MASK = "loss_mask"
+TURN_INDEX = "turn_index"
+MULTI_TURN_COLUMNS = (LOSS_MASK, TURN_INDEX)
+
+
+def rollout_schema(student_topk: int = 0, multi_turn: bool = False) -> pa.Schema:
+    """The rollout shard's columns; `multi_turn` adds `loss_mask` and `turn_index` (schema version 2)."""
     fields = [
         pa.field("sample_id", pa.string(), nullable=False),
         pa.field("prompt_index", pa.int64(), nullable=False),
@@ -41,6 +52,8 @@ def rollout_schema(student_topk: int = 0) -> pa.Schema:
         pa.field("ground_truth", pa.string()),
         pa.field("extra", pa.string()),
     ]
+    if multi_turn:  # per-token columns stay together, after behavior_logprobs (and student_topk_ids)
+        fields[6:6] = [pa.field(LOSS_MASK, pa.list_(pa.uint8())), pa.field(TURN_INDEX, pa.list_(pa.int16()))]
     if student_topk:
         fields.insert(6, pa.field("student_topk_ids", pa.list_(pa.list_(pa.int32(), student_topk))))
     return pa.schema(fields)
@@ -59,6 +72,60 @@ def annotated_schema(top_k: int, logprob_dtype: str = "float32", support_k: int 
     if support_k:
         fields.append(pa.field("teacher_support_logprobs", pa.list_(pa.list_(pa.float32(), support_k))))
     return pa.schema(fields)
+
+
+def check_multi_turn(table: pa.Table, where: str) -> None:
+    """Multi-turn rows: a mask and a turn index per response token, mask values 0/1, at least one trained token,
+    turn indices that never go back, behavior log-probs 0.0 where nothing is trained. Null entries (single-turn
+    rows) are not looked at. Vectorised over the whole column."""
+
+    def row_error(r: int, problem: str) -> ShardError:
+        return ShardError(f"{where}: row {r} (sample {table['sample_id'][r].as_py()!r}) {problem}")
+
+    mask_null = table[LOSS_MASK].is_null().to_numpy(zero_copy_only=False)
+    turn_null = table[TURN_INDEX].is_null().to_numpy(zero_copy_only=False)
+    differ = np.nonzero(mask_null != turn_null)[0]
+    if len(differ):
+        r = int(differ[0])
+        has, lacks = (TURN_INDEX, LOSS_MASK) if mask_null[r] else (LOSS_MASK, TURN_INDEX)
+        raise row_error(r, f"has a {has!r} but no {lacks!r}")
+    rows = np.nonzero(~mask_null)[0]
+    if not len(rows):
+        return
+    multi = table.take(pa.array(rows))
+    response = list_lengths(multi["response_ids"])
+    for name in MULTI_TURN_COLUMNS:
+        got = list_lengths(multi[name])
+        bad = np.nonzero(got != response)[0]
+        if len(bad):
+            r = int(bad[0])
+            raise row_error(int(rows[r]), f"has {got[r]} entries in {name!r} but {response[r]} in 'response_ids'")
+    mask = flat_values(multi[LOSS_MASK])
+    ends = np.cumsum(response)  # row r's tokens are [ends[r - 1], ends[r]) of the flat columns
+
+    def row_of(position: int) -> int:
+        return int(rows[int(np.searchsorted(ends, position, side="right"))])
+
+    if len(mask) and mask.max() > 1:
+        position = int(np.argmax(mask > 1))
+        raise row_error(row_of(position), f"has loss_mask value {int(mask[position])}: the mask holds 0 or 1")
+    trained = np.diff(np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])[np.concatenate([[0], ends])])
+    empty = np.nonzero(trained == 0)[0]
+    if len(empty):
+        raise row_error(
+            int(rows[int(empty[0])]),
+            "has no trained token (its loss_mask is all 0): a row with nothing to train is not written",
+        )
+    turns = flat_values(multi[TURN_INDEX]).astype(np.int64)
+    steps = np.diff(turns)
+    steps[ends[:-1][ends[:-1] > 0] - 1] = 0  # the step from one row's last token to the next row's first
+    if len(turns) and (turns.min() < 0 or steps.min(initial=0) < 0):
+        position = int(np.argmax(turns < 0)) if turns.min() < 0 else int(np.argmax(steps < 0)) + 1
+        raise row_error(row_of(position), "has a turn_index that is negative or goes back (messages are in order)")
+    behavior = flat_values(multi["behavior_logprobs"])
+    stray = np.nonzero((mask == 0) & (behavior != 0))[0]
+    if len(stray):
+        raise row_error(row_of(int(stray[0])), "has a behavior log-prob other than 0.0 where loss_mask is 0")
 
 
 # ---------------------------------------------------------------- building columns
@@ -99,3 +166,22 @@ def flat_values(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
 
 def list_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def trained_mask(table: pa.Table) -> np.ndarray:
+    """One bool per response token of `table` (rows concatenated): the positions the student trains on.
+
+    Every position of a single-turn row (no `loss_mask` column, or a null entry), the mask-1 positions of a
+    multi-turn row. Annotated parts hold one entry per True here (docs/design.md, "Trained positions").
+    """
+    lengths = list_lengths(table["response_ids"])
+    trained = np.ones(int(lengths.sum()), dtype=bool)
+    if LOSS_MASK not in table.schema.names:
+        return trained
+    column = table[LOSS_MASK]
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    has_mask = ~column.is_null().to_numpy(zero_copy_only=False)
+    if has_mask.any():  # masks have their row's response length (validated), so they line up token by token
+        masked_tokens = np.repeat(has_mask, lengths)
+        trained[masked_tokens] = flat_values(column) != 0
+    return trained

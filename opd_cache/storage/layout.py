@@ -26,7 +26,9 @@ import re
 import secrets
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 1  # the shard format: in every shard's metadata (checked on read) and in run.json
+# The shard format writers stamp, in every shard's metadata and in run.json; readers accept versions 1 and 2
+# (storage/schema.py, READABLE_SCHEMA_VERSIONS). Version 2: multi-turn rows (loss_mask, turn_index).
+SCHEMA_VERSION = 2
 RUN_JSON = "run.json"
 TEACHERS_DIR = "run/teachers"
 ROLLOUTS = "rollouts"

@@ -6,6 +6,10 @@ without this package, and local reads are zero-copy through a memory map.
 
 The columns themselves (their Arrow types, building and reading them as numpy) are in
 opd_cache/storage/columns.py; this module re-exports the ones other modules import from here (`__all__`).
+
+Schema versions: writers stamp SCHEMA_VERSION (2); readers accept every version in READABLE_SCHEMA_VERSIONS.
+Version 2 adds the optional multi-turn columns of rollout shards (`loss_mask`, `turn_index`); a version-1
+shard never holds them, so one that does is refused rather than read with a meaning it never had.
 """
 
 from __future__ import annotations
@@ -19,13 +23,18 @@ import pyarrow.compute as pc
 
 from opd_cache.storage import codec, integrity
 from opd_cache.storage.columns import (
+    LOSS_MASK,
+    MULTI_TURN_COLUMNS,
+    TURN_INDEX,
     ShardError,
     annotated_schema,
+    check_multi_turn,
     flat_values,
     list_lengths,
     ragged,
     ragged_fixed,
     rollout_schema,
+    trained_mask,
 )
 from opd_cache.storage.layout import SCHEMA_VERSION
 from opd_cache.storage.manifest import RunManifest, as_manifest
@@ -34,7 +43,9 @@ if TYPE_CHECKING:
     from opd_cache.storage.store import Store
 
 __all__ = [  # the names other modules import from here that live in columns.py and layout.py
+    "LOSS_MASK",
     "SCHEMA_VERSION",
+    "TURN_INDEX",
     "ShardError",
     "annotated_schema",
     "flat_values",
@@ -42,7 +53,11 @@ __all__ = [  # the names other modules import from here that live in columns.py 
     "ragged",
     "ragged_fixed",
     "rollout_schema",
+    "trained_mask",
 ]
+
+READABLE_SCHEMA_VERSIONS = (1, 2)  # 2 = SCHEMA_VERSION, what this opd_cache writes
+MULTI_TURN_SINCE = 2  # the first schema version whose rollout shards may hold loss_mask / turn_index
 
 ROLLOUT = "rollout"
 ANNOTATED = "annotated"
@@ -138,8 +153,10 @@ class ShardMeta:
         if META_KIND not in meta:
             raise ShardError(f"{where}: not an opd_cache shard (no '{META_KIND}' in the Arrow schema metadata)")
         version = int(meta.get(META_SCHEMA_VERSION, "-1"))
-        if version != SCHEMA_VERSION:
-            raise ShardError(f"{where}: schema version {version}, this opd_cache reads version {SCHEMA_VERSION}")
+        if version not in READABLE_SCHEMA_VERSIONS:
+            newer = " (written by a newer opd_cache: upgrade to read it)" if version > SCHEMA_VERSION else ""
+            readable = " or ".join(str(v) for v in READABLE_SCHEMA_VERSIONS)
+            raise ShardError(f"{where}: schema version {version}, this opd_cache reads version {readable}{newer}")
         codec_name, codec_id_bits, codec_version = codec.codec_of(meta, where)
         return cls(
             kind=meta[META_KIND],
@@ -161,8 +178,15 @@ class ShardMeta:
 
 
 # ---------------------------------------------------------------- write / read
-def write_shard(store, rel: str, table: pa.Table, meta: ShardMeta, compression: str | None = None) -> None:
-    """Validate `table` and publish it atomically at `rel` as an Arrow IPC stream plus its checksum trailer."""
+def write_shard(
+    store, rel: str, table: pa.Table, meta: ShardMeta, compression: str | None = None, *, exclusive: bool = False
+) -> None:
+    """Validate `table` and publish it atomically at `rel` as an Arrow IPC stream plus its checksum trailer.
+
+    `exclusive`: refuse (ShardError) to replace an existing file instead of replacing it: two writers given the
+    same worker id would otherwise overwrite each other's shards. Atomic on local stores (a hard link of the
+    complete file); on object stores a check before the upload, which two writers in the same instant can pass.
+    """
     validate_table(table, meta, where=rel)
     metadata = {**meta.to_metadata(), integrity.META_CHECKSUM.encode(): integrity.TRAILER_KIND.encode()}
     table = table.replace_schema_metadata(metadata)
@@ -174,7 +198,13 @@ def write_shard(store, rel: str, table: pa.Table, meta: ShardMeta, compression: 
             writer.write_table(table)
         out.write(sink.trailer())
 
-    store.write_atomic(rel, write)
+    if not exclusive:
+        store.write_atomic(rel, write)
+        return
+    buffer = pa.BufferOutputStream()
+    write(buffer)
+    if not store.create_if_absent(rel, buffer.getvalue().to_pybytes()):
+        raise ShardError(f"{store.path(rel)} already exists: another writer published a shard with this id")
 
 
 def read_shard(
@@ -221,7 +251,7 @@ def read_shard(
 def validate_table(table: pa.Table, meta: ShardMeta, where: str) -> None:
     """Check columns, types and per-row per-token list lengths (vectorised)."""
     if meta.kind == ROLLOUT:
-        expected = rollout_schema(meta.student_topk)
+        expected = rollout_schema(meta.student_topk, multi_turn=_has_multi_turn_columns(table, meta, where))
     elif meta.kind == ANNOTATED:
         if not meta.top_k:
             raise ShardError(f"{where}: annotated shard without '{META_TOP_K}' metadata")
@@ -253,6 +283,8 @@ def validate_table(table: pa.Table, meta: ShardMeta, where: str) -> None:
         if table.num_rows and prompt_lengths.min() == 0:
             raise ShardError(f"{where}: row {int(np.argmin(prompt_lengths))} has an empty prompt")
         _check_same_lengths(table, "response_ids", ["behavior_logprobs", "student_topk_ids"], where)
+        if LOSS_MASK in table.schema.names:
+            check_multi_turn(table, where)
     else:
         _check_same_lengths(
             table,
@@ -260,6 +292,19 @@ def validate_table(table: pa.Table, meta: ShardMeta, where: str) -> None:
             ["teacher_topk_ids", "teacher_topk_logprobs", "teacher_support_logprobs"],
             where,
         )
+
+
+def _has_multi_turn_columns(table: pa.Table, meta: ShardMeta, where: str) -> bool:
+    present = [name for name in MULTI_TURN_COLUMNS if name in table.schema.names]
+    if present and meta.schema_version < MULTI_TURN_SINCE:
+        raise ShardError(
+            f"{where}: schema version {meta.schema_version} shard with column {present[0]!r}, which only version "
+            f"{MULTI_TURN_SINCE} and later have"
+        )
+    if len(present) == 1:
+        missing = next(name for name in MULTI_TURN_COLUMNS if name not in present)
+        raise ShardError(f"{where}: column {present[0]!r} without {missing!r} (multi-turn rows need both)")
+    return bool(present)
 
 
 def _check_same_lengths(table: pa.Table, reference: str, others: list[str], where: str) -> None:
@@ -327,8 +372,14 @@ def rollout_table(
     extra: list | None = None,
     student_topk_ids: list | None = None,
     student_topk: int = 0,
+    loss_mask: list | None = None,
+    turn_index: list | None = None,
 ) -> pa.Table:
-    """A rollout table from per-row token arrays (one concatenation per column, no per-row Arrow work)."""
+    """A rollout table from per-row token arrays (one concatenation per column, no per-row Arrow work).
+
+    `loss_mask` / `turn_index` (schema version 2): one array per row, or None for a single-turn row; both or
+    neither. Without them (None) the table has no multi-turn columns: exactly a version-1 table.
+    """
     n = len(sample_ids)
     prompt_flat, prompt_len = _concat(prompt_ids, np.int32)
     resp_flat, resp_len = _concat(response_ids, np.int32)
@@ -346,6 +397,11 @@ def rollout_table(
             raise ValueError("rollout_table: student_topk_ids needs student_topk=k")
         flat = np.concatenate([np.asarray(a, dtype=np.int32).reshape(-1, student_topk) for a in student_topk_ids])
         columns["student_topk_ids"] = ragged_fixed(flat, resp_len, pa.int32())
+    if (loss_mask is None) != (turn_index is None):
+        raise ValueError("rollout_table: loss_mask and turn_index go together (both or neither)")
+    if loss_mask is not None:
+        columns[LOSS_MASK] = _nullable_ragged(loss_mask, np.uint8, pa.uint8())
+        columns[TURN_INDEX] = _nullable_ragged(turn_index, np.int16, pa.int16())
     columns.update(
         {
             "policy_version": pa.array(np.full(n, policy_version, dtype=np.int32)),
@@ -355,7 +411,18 @@ def rollout_table(
             "extra": pa.array(extra if extra is not None else [None] * n, pa.string()),
         }
     )
-    return pa.table(columns, schema=rollout_schema(student_topk))
+    return pa.table(columns, schema=rollout_schema(student_topk, multi_turn=loss_mask is not None))
+
+
+def _nullable_ragged(rows: list, dtype, value_type: pa.DataType) -> pa.ListArray:
+    """A `list<value>` column whose None rows are null (a single-turn row in a multi-turn column)."""
+    present = [r is not None for r in rows]
+    flat, lengths = _concat([r for r in rows if r is not None], dtype)
+    all_lengths = np.zeros(len(rows), dtype=np.int64)
+    all_lengths[np.asarray(present, dtype=bool)] = lengths
+    offsets = pa.array(np.concatenate([[0], np.cumsum(all_lengths)]).astype(np.int32))
+    mask = pa.array([not p for p in present], pa.bool_()) if not all(present) else None
+    return pa.ListArray.from_arrays(offsets, pa.array(flat, type=value_type), mask=mask)
 
 
 def annotated_table(

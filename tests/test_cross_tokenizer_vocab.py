@@ -141,3 +141,21 @@ def test_a_decoder_that_cannot_say_what_a_token_spells_is_refused(decoder, messa
     tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", name_or_path="tiny-wordpiece")
     with pytest.raises(ValueError, match=rf"^tokenizer tiny-wordpiece.*{message}"):
         token_bytes(tok)
+
+
+def test_the_demo_bpe_tokenizer_is_what_its_script_builds_and_splits_differently():
+    """data/tokenizer_bpe/ is reproducible from data/make_bpe_tokenizer.py, spends fewer tokens than the
+    character tokenizer on the demo's prompts and answers, and cuts ' #### 85' elsewhere (the alignment has work)."""
+    from opd_cache.tokenizer import tokenizer_fingerprint
+    from tests.conftest import load_data_script
+
+    script = load_data_script("make_bpe_tokenizer")
+    committed = toks.get("demo_bpe")
+    assert tokenizer_fingerprint(script.build_tokenizer()) == tokenizer_fingerprint(committed)
+    assert committed.chat_template == toks.get("char").chat_template
+    assert [committed.pad_token_id, committed.eos_token_id, committed.unk_token_id] == [0, 1, 2]
+    report = script.compare(committed, toks.get("char"))
+    for key in ("prompt_tokens", "answer_tokens"):
+        assert report[key]["bpe"] < report[key]["char"]
+    assert report["split"]["bpe"] == ["Ġ####", "Ġ85"]
+    assert report["split"]["char"] == list(" #### 85")

@@ -24,7 +24,7 @@ from tests import cross_tokenizer_tokenizers as toks
 
 FAMILIES = ("char", "bpe", "unigram", "sp_legacy")
 PAIRS = list(itertools.permutations(FAMILIES, 2))
-PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 _cross: dict = {}
 
@@ -308,7 +308,7 @@ def test_teacher_scores_from_a_real_model(tiny_model_factory):
         student(a, add_special_tokens=False)["input_ids"] + [student.eos_token_id] for a in (" ans= 3", " #### 146")
     ]
     rows = c.teacher_rows(prompts, responses)
-    path = tiny_model_factory("teacher", seed=3)
+    path = tiny_model_factory("student", seed=0)  # any model of the character vocabulary (shared with other tests)
     scorer = HFScorer(load_causal_lm(path))
     scores = scorer.score([r.prompt_ids for r in rows], [r.response_ids for r in rows], k=4)
     targets = student_targets(rows, responses, scores, c.vocab_map.teacher_to_student)

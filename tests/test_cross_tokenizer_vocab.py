@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerFast
 
 from opd_cache.annotate.cross_targets import map_topk
 from opd_cache.annotate.vocab_map import build_vocabulary_map, byte_level_alphabet, require_fast, token_bytes
+from opd_cache.tokenizer import tokenizer_fingerprint
 from tests import cross_tokenizer_tokenizers as toks
 
 
@@ -118,6 +119,9 @@ def test_fingerprint_covers_both_tokenizers_and_the_map():
     assert build_vocabulary_map(bpe, _with_special(unigram, "<extra>")).fingerprint != first.fingerprint
     record = first.record()
     assert record["vocab_map_fingerprint"] == first.fingerprint and record["vocab_map_size"] == first.num_mapped
+    # the stored targets are in student ids: the record's tokenizer is the student's, the teacher's beside it
+    assert record["tokenizer_fingerprint"] == tokenizer_fingerprint(bpe)
+    assert record["teacher_tokenizer_fingerprint"] == tokenizer_fingerprint(unigram)
 
 
 def test_a_tokenizer_without_offsets_is_named():
@@ -146,7 +150,6 @@ def test_a_decoder_that_cannot_say_what_a_token_spells_is_refused(decoder, messa
 def test_the_demo_bpe_tokenizer_is_what_its_script_builds_and_splits_differently():
     """data/tokenizer_bpe/ is reproducible from data/make_bpe_tokenizer.py, spends fewer tokens than the
     character tokenizer on the demo's prompts and answers, and cuts ' #### 85' elsewhere (the alignment has work)."""
-    from opd_cache.tokenizer import tokenizer_fingerprint
     from tests.conftest import load_data_script
 
     script = load_data_script("make_bpe_tokenizer")

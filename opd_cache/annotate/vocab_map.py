@@ -232,10 +232,15 @@ class VocabularyMap:
         return int((self.teacher_to_student >= 0).sum())
 
     def record(self) -> dict:
-        """The fields of the teacher's record in the run manifest."""
+        """The fields of the teacher's record in the run manifest.
+
+        `tokenizer_fingerprint` stays the student's, as for every teacher: it names the vocabulary of the stored
+        targets (student ids), which is what `ManifestFiles.check_teacher` compares with run.json. The teacher's
+        own tokenizer and the map are recorded beside it.
+        """
         return {
-            "tokenizer_fingerprint": self.teacher_fingerprint,
-            "student_tokenizer_fingerprint": self.student_fingerprint,
+            "tokenizer_fingerprint": self.student_fingerprint,
+            "teacher_tokenizer_fingerprint": self.teacher_fingerprint,
             "vocab_map_fingerprint": self.fingerprint,
             "vocab_map_size": self.num_mapped,
         }

@@ -31,6 +31,7 @@ Layout (one concern per module; read in this order):
     estimators.py    sampled-token estimators (k1/k2/k3/abs) and policy-gradient OPD (`pg_loss`)
     materialised.py  token_losses on materialised logits, and the per-token loss both paths share
     fused.py         fused_token_losses: from hidden states, chunked, gradients in the forward
+    cross_tokenizer.py  the hybrid loss on a teacher of another tokenizer (top-k where valid, span term on groups)
     aggregation.py   aggregation over tokens, sequences, micro-batches and ranks
     diagnostics.py   the diagnostics of either path
 
@@ -53,6 +54,9 @@ _LAZY = {
     "P_TAIL_MIN": "divergences",
     "pg_loss": "estimators",
     "fused_token_losses": "fused",
+    "cross_tokenizer_token_losses": "cross_tokenizer",  # a teacher of another tokenizer (docs/cross-tokenizer.md)
+    "fused_cross_tokenizer_losses": "cross_tokenizer",
+    "SpanTermConfig": "cross_tokenizer",
     "token_losses": "materialised",
 }
 
@@ -71,8 +75,11 @@ __all__ = [
     "TAILS",
     "LossConfig",
     "LossSpec",
+    "SpanTermConfig",
     "aggregate",
     "aggregation_weights",
+    "cross_tokenizer_token_losses",
+    "fused_cross_tokenizer_losses",
     "fused_token_losses",
     "pg_loss",
     "token_losses",

@@ -54,6 +54,7 @@ LAYER_NAMES = ("core", "storage", "libraries", "stages", "launch", "cli")
 PEER_IMPORTS = {
     ("opd_cache.evaluate", "opd_cache.rollout.hf_generate"): "the evaluator samples with rollout's HF engine",
     ("opd_cache.export", "opd_cache.train.shard_data"): "export reads shards through the trainer's validated reader",
+    ("opd_cache", "opd_cache.rollout.writer"): "the package's public API: opd_cache.RolloutWriter, imported on use",
 }
 
 # Being split on the `stages` branch (issue #30); the lead removes these entries when it merges.

@@ -4,6 +4,8 @@ trained positions only (the teacher's entries equal a direct forward over the wh
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ from opd_cache.rollout.environment import REQUIRE_TOOL_REPLY, CalculatorEnvironm
 from opd_cache.rollout.messages import Message, ToolCall
 from opd_cache.storage import layout
 from opd_cache.storage.schema import ROLLOUT, flat_values, read_shard, trained_lengths, trained_mask
+from opd_cache.storage.store import Store
 from opd_cache.train import run_train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,3 +110,32 @@ def test_agent_config_errors_name_the_key(local_store):
         run_rollout(agent_config(local_store, **{"agent.environment_options": {"nope": 1}}), local_store)
     with pytest.raises(ValueError, match=r"student_topk > 0 \(union support\) is not supported with rollout.agent"):
         run_rollout(agent_config(local_store, student_topk=2), local_store)
+
+
+@pytest.mark.slow  # the example's whole pipeline (`opd run`), 30-90 s on 2 cores: run by .ci/run's `-m slow` step
+def test_the_agent_example_runs_and_its_masked_loss_falls(tmp_path):
+    store_dir = tmp_path / "store"
+    command = [
+        sys.executable,
+        "-m",
+        "opd_cache.cli",
+        "run",
+        "--config",
+        "examples/arithmetic_agent_cpu/config.yaml",
+        "--store",
+        str(store_dir),
+        "--set",
+        "train.max_steps=20",
+    ]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    store = Store(store_dir)
+    shards = store.shards.rollouts()
+    assert shards
+    for info in shards:  # every conversation has environment text between its turns: a mask with zeros
+        rollout, _ = read_shard(store, info.path, kind=ROLLOUT)
+        assert rollout["loss_mask"].null_count == 0
+        assert np.all(trained_lengths(rollout) < np.diff(rollout["response_ids"].combine_chunks().offsets))
+    losses = [json.loads(line)["loss"] for line in store.read_bytes("metrics/train-0.jsonl").decode().splitlines()]
+    assert len(losses) == 20
+    assert np.mean(losses[-3:]) < 0.6 * np.mean(losses[:3]), losses

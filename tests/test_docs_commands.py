@@ -49,6 +49,7 @@ SKIPPED: dict[str, str] = {
     r"^opd demo|^\S+=\S+ opd demo": "the demo: its store is the stage commands' store here; the slow test runs it",
     r"^ray (start|job)": "starts or joins a Ray cluster (on a shared machine it would outlive the test)",
     r"^export AWS_": "S3 credentials",
+    r"examples/arithmetic_agent_cpu": "the multi-turn example's opd run: tests/test_agent_rollout.py runs it (slow)",
 }
 # What runs: opd itself and `python -c`. Any other command must be in SKIPPED, so nothing unexpected (a server,
 # a cluster, an install) ever starts from a doc.

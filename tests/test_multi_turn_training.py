@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from opd_cache.config import load_config
+from opd_cache.export import teacher_batch
 from opd_cache.losses import LossConfig
 from opd_cache.models import build_tiny_model, load_causal_lm
 from opd_cache.storage import layout
@@ -327,3 +328,24 @@ def test_multi_turn_rows_train_and_their_masked_loss_falls(tmp_path, tiny_model_
     assert result.step == 12
     losses = [json.loads(line)["loss"] for line in store.read_bytes("metrics/train-0.jsonl").decode().splitlines()]
     assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
+
+
+def test_export_places_teacher_entries_with_the_mask(local_store, run):
+    rng = np.random.default_rng(5)
+    pairs = [conversation(rng, 3, 4, 5), (rng.integers(1, V, size=6), None)]
+    shard_id = make_shard_id(0, "w00", 0)
+    write_synthetic_shard(
+        local_store,
+        run,
+        shard_id,
+        num_rows=2,
+        vocab_size=V,
+        top_k=K,
+        responses=[ids for ids, _ in pairs],
+        loss_masks=[mask for _, mask in pairs],
+    )
+    batch = teacher_batch(local_store, run, shard_id, "teacher", tokenizer=None)
+    part, _ = read_shard(local_store, layout.annotated_path(shard_id, "teacher"))
+    assert batch.column("loss_mask").to_pylist() == [pairs[0][1].tolist(), [1] * 6]
+    assert batch.column("teacher_token_logprob").to_pylist() == part["teacher_token_logprob"].to_pylist()
+    assert [len(x) for x in batch.column("teacher_topk_ids").to_pylist()] == [8, 6]

@@ -20,7 +20,7 @@ from opd_cache.rollout.agent import agent_summary
 from opd_cache.rollout.environment import REQUIRE_TOOL_REPLY, CalculatorEnvironment
 from opd_cache.rollout.messages import Message, ToolCall
 from opd_cache.storage import layout
-from opd_cache.storage.schema import ROLLOUT, flat_values, read_shard, trained_lengths, trained_mask
+from opd_cache.storage.schema import ROLLOUT, flat_values, list_lengths, read_shard, trained_lengths, trained_mask
 from opd_cache.storage.store import Store
 from opd_cache.train import run_train
 
@@ -139,3 +139,38 @@ def test_the_agent_example_runs_and_its_masked_loss_falls(tmp_path):
     losses = [json.loads(line)["loss"] for line in store.read_bytes("metrics/train-0.jsonl").decode().splitlines()]
     assert len(losses) == 20
     assert np.mean(losses[-3:]) < 0.6 * np.mean(losses[:3]), losses
+
+
+def test_writer_conversations_annotate_and_train_exactly_once(local_store, tokenizer):
+    """An external agent loop's rows (RolloutWriter, rendered conversations with masks) train like opd rollout's."""
+    from opd_cache import RolloutWriter
+    from opd_cache.rollout.conversation import ChatRenderer, render_conversation
+    from opd_cache.train.checkpoint import verify_ledger
+
+    renderer = ChatRenderer.from_file(tokenizer, REPO / "data/chat_templates/arithmetic_tools.jinja")
+    rng = np.random.default_rng(0)
+    with RolloutWriter(local_store, tokenizer, student=str(STUDENT), worker_id="agent0", flush_rows=4) as writer:
+        for i in range(8):
+            a, b = (int(x) for x in rng.integers(10, 99, size=2))
+            row = render_conversation(
+                renderer,
+                [
+                    Message("user", f"What is {a} + {b}?"),
+                    Message("assistant", "", [ToolCall("calc", f"{a}+{b}")]),
+                    Message("tool", str(a + b)),
+                    Message("assistant", f" #### {a + b}"),
+                ],
+            )
+            logprobs = np.where(row.loss_mask == 1, -0.5, 0.0)  # a producer's own behavior log-probs
+            writer.append_conversation(row, behavior_logprobs=logprobs, ground_truth=str(a + b))
+    assert writer.shards == ["v000000-agent0-000000", "v000000-agent0-000001"]
+    cfg = agent_config(local_store)
+    run_annotate(cfg, local_store)
+    for shard_id in writer.shards:
+        rollout, _ = read_shard(local_store, layout.rollout_path(shard_id))
+        part, _ = read_shard(local_store, layout.annotated_path(shard_id, "teacher"))
+        np.testing.assert_array_equal(list_lengths(part["teacher_token_logprob"]), trained_lengths(rollout))
+        assert np.all(trained_lengths(rollout) < list_lengths(rollout["response_ids"]))  # "= 85\n" untrained
+    assert run_train(cfg, local_store).step == 2
+    ledger = verify_ledger(local_store)
+    assert ledger["trained"] == 8 and not ledger["duplicates"], ledger

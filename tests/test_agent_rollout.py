@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from opd_cache.annotate import run_annotate
-from opd_cache.config import load_config
+from opd_cache.config import AgentConfig, load_config
 from opd_cache.models import load_causal_lm
 from opd_cache.rollout import run_rollout
-from opd_cache.rollout.agent import agent_summary
+from opd_cache.rollout.agent import AgentSampler, agent_summary
 from opd_cache.rollout.environment import REQUIRE_TOOL_REPLY, CalculatorEnvironment
 from opd_cache.rollout.messages import Message, ToolCall
 from opd_cache.storage import layout
@@ -103,13 +103,18 @@ def test_agent_rollout_annotate_and_train(local_store):
     assert trained.step == 2
 
 
-def test_agent_config_errors_name_the_key(local_store):
-    with pytest.raises(ValueError, match=r"rollout.agent.chat_template .*missing.jinja: no such file"):
-        run_rollout(agent_config(local_store, **{"agent.chat_template": "missing.jinja"}), local_store)
+def test_agent_config_errors_name_the_key(tokenizer):
+    def sampler(student_topk=0, **agent):
+        base = dict(environment="calculator", chat_template=str(REPO / "data/chat_templates/arithmetic_tools.jinja"))
+        return AgentSampler.from_config(AgentConfig(**{**base, **agent}), tokenizer, 10, student_topk)
+
+    assert sampler().limits.max_new_tokens == 10
+    with pytest.raises(ValueError, match=r"rollout.agent.chat_template missing.jinja: no such file"):
+        sampler(chat_template="missing.jinja")
     with pytest.raises(ValueError, match=r"rollout.agent.environment_options .*unexpected keyword argument 'nope'"):
-        run_rollout(agent_config(local_store, **{"agent.environment_options": {"nope": 1}}), local_store)
+        sampler(environment_options={"nope": 1})
     with pytest.raises(ValueError, match=r"student_topk > 0 \(union support\) is not supported with rollout.agent"):
-        run_rollout(agent_config(local_store, student_topk=2), local_store)
+        sampler(student_topk=2)
 
 
 @pytest.mark.slow  # the example's whole pipeline (`opd run`), 30-90 s on 2 cores: run by .ci/run's `-m slow` step

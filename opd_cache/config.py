@@ -60,6 +60,22 @@ class SamplingConfig(Section):
     stop: list[str] = Field([], description="stop strings: a response ends at the first one")
 
 
+class AgentConfig(Section):
+    """Multi-turn rollouts: the student converses with an environment and its tools (docs/agents.md)."""
+
+    environment: Literal["calculator"] | None = Field(
+        None, description="environment of multi-turn rollouts (calculator); unset: single-turn rollouts"
+    )
+    environment_options: dict[str, bool | int | str] = Field(
+        {}, description="keyword arguments of the environment, e.g. {require_tool: true, max_calls: 4}"
+    )
+    chat_template: str | None = Field(
+        None, description="jinja chat template that renders tool calls (default: the student tokenizer's)"
+    )
+    max_turns: int = Field(4, ge=1, description="assistant turns per conversation")
+    max_tokens: int = Field(512, ge=1, description="tokens per conversation, prompt included")
+
+
 class RolloutConfig(Section):
     """`opd rollout`: the student samples responses and publishes rollout shards."""
 
@@ -69,6 +85,7 @@ class RolloutConfig(Section):
     prompts: str | None = Field(None, description="prompt file: parquet, JSONL or a datasets folder")
     n: int = Field(4, ge=1, description="samples per prompt")
     sampling: SamplingConfig = SamplingConfig()
+    agent: AgentConfig = AgentConfig()  # multi-turn rollouts; sampling.max_new_tokens is then per turn
     max_prompt_tokens: int = Field(1024, ge=1, description="prompt length limit, in tokens")
     truncate_prompts: bool = Field(False, description="skip (and count) over-long prompts instead of failing")
     batch_prompts: int = Field(16, ge=1, description="prompts per generate() call")

@@ -33,7 +33,7 @@ from opd_cache.storage.damage import DAMAGE_ERRORS, DamagedFiles
 from opd_cache.storage.filestore import AtomicOutput
 from opd_cache.storage.schema import read_shard
 from opd_cache.storage.store import RUN_JSON, RunManifest, Store
-from opd_cache.train.shard_data import load_shard, ragged_index
+from opd_cache.train.shard_data import load_shard, offsets_of, ragged_index
 
 FORMATS = ("parquet", "arrow")
 MANIFEST = "export.json"
@@ -56,6 +56,9 @@ def export_schema() -> pa.Schema:
             pa.field("prompt_ids", pa.list_(pa.int32())),
             pa.field("response_ids", pa.list_(pa.int32())),
             pa.field("behavior_logprobs", pa.list_(pa.float32())),  # the student's log-prob of each sampled token
+            # multi-turn rows: 1 = a token the student sampled (trained); null: every response token is trained
+            pa.field("loss_mask", pa.list_(pa.uint8())),
+            # the teacher columns: one entry per trained token (every response token of a single-turn row)
             pa.field("teacher_token_logprob", pa.list_(pa.float32())),  # the teacher's log-prob of each sampled token
             pa.field("teacher_topk_ids", pa.list_(pa.list_(pa.int32()))),  # [tokens][k], best first
             pa.field("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32()))),
@@ -117,7 +120,14 @@ def teacher_batch(store: Store, run: dict, shard_id: str, teacher: str, tokenize
     prompt_ids, prompt_offsets = _select(data.prompt_values, data.prompt_offsets, rows)
     response_ids, response_offsets = _select(data.response_values, data.response_offsets, rows)
     behavior, _ = _select(data.behavior_logprobs, data.response_offsets, rows)
-    # A single part's teacher arrays hold exactly its rows' tokens, in rollout order.
+    # A single part's teacher arrays hold exactly its rows' trained tokens, in rollout order.
+    teacher_offsets = offsets_of(data.trained_lengths[rows])
+    if data.trained is None:
+        loss_mask = pa.nulls(len(rows), pa.list_(pa.uint8()))
+    else:
+        loss_mask = _ragged(
+            data.trained[ragged_index(data.response_offsets, rows)].astype(np.uint8), response_offsets, pa.uint8()
+        )
     top_k = data.topk_ids.shape[1]
     prompt_lists = [prompt_ids[prompt_offsets[i] : prompt_offsets[i + 1]].tolist() for i in range(len(rows))]
     response_lists = [response_ids[response_offsets[i] : response_offsets[i + 1]].tolist() for i in range(len(rows))]
@@ -140,10 +150,11 @@ def teacher_batch(store: Store, run: dict, shard_id: str, teacher: str, tokenize
         _ragged(prompt_ids, prompt_offsets, pa.int32()),
         _ragged(response_ids, response_offsets, pa.int32()),
         _ragged(behavior, response_offsets, pa.float32()),
-        _ragged(data.token_logprob.astype(np.float32, copy=False), response_offsets, pa.float32()),
-        _ragged_rows(data.topk_ids.reshape(-1, top_k), response_offsets, pa.int32()),
+        loss_mask,
+        _ragged(data.token_logprob.astype(np.float32, copy=False), teacher_offsets, pa.float32()),
+        _ragged_rows(data.topk_ids.reshape(-1, top_k), teacher_offsets, pa.int32()),
         _ragged_rows(
-            data.topk_logprobs.astype(np.float32, copy=False).reshape(-1, top_k), response_offsets, pa.float32()
+            data.topk_logprobs.astype(np.float32, copy=False).reshape(-1, top_k), teacher_offsets, pa.float32()
         ),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=export_schema())

@@ -105,13 +105,17 @@ def write_synthetic_shard(
     ground_truth: list[str] | None = None,
     group_size: int = 1,
     responses: list[np.ndarray] | None = None,
+    prompts: list[np.ndarray] | None = None,
     annotate: bool = True,
+    loss_masks: list | None = None,
 ) -> dict:
     """Write `rollouts/v<version>/<shard_id>.arrow` and one annotated part per teacher; returns the row arrays.
 
     `teachers`: {name: model or None (random annotation)}; default one random teacher "teacher".
     `routing`: data_source value -> teacher name (rows with other values go to no teacher).
     `group_size`: consecutive rows share a prompt (GRPO groups).
+    `loss_masks`: one 0/1 array per row (None entries: single-turn rows) makes multi-turn rows (schema version 2):
+    behavior log-probs 0 where the mask is 0, and the parts hold the teacher's entries at mask-1 positions only.
     """
     rng = np.random.default_rng(seed)
     version = parse_shard_id(shard_id)[0]
@@ -120,13 +124,13 @@ def write_synthetic_shard(
     prompt_pool = [
         rng.integers(1, vocab_size, size=int(rng.integers(prompt_len[0], prompt_len[1] + 1))) for _ in range(n_prompts)
     ]
-    prompts = [prompt_pool[i // group_size] for i in range(num_rows)]
+    if prompts is None:
+        prompts = [prompt_pool[i // group_size] for i in range(num_rows)]
     if responses is None:
         responses = [
             rng.integers(1, vocab_size, size=int(rng.integers(response_len[0], response_len[1] + 1)))
             for _ in range(num_rows)
         ]
-    lengths = np.array([len(r) for r in responses], dtype=np.int64)
     sample_ids = [f"{shard_id}-{i}" for i in range(num_rows)]
     if behavior is not None:
         lps = response_logprobs(behavior, prompts, responses)
@@ -138,6 +142,15 @@ def write_synthetic_shard(
     else:
         behavior_lp = [-rng.random(len(r)).astype(np.float32) - 0.05 for r in responses]
         topk_s = [rng.integers(0, vocab_size, size=(len(r), student_topk)) for r in responses] if student_topk else None
+    masks = None
+    if loss_masks is not None:
+        masks = [None if m is None else np.asarray(m, dtype=np.uint8) for m in loss_masks]
+        behavior_lp = [
+            b if m is None else np.where(m == 1, b, 0.0).astype(np.float32) for b, m in zip(behavior_lp, masks)
+        ]
+    trained = [
+        np.ones(len(r), dtype=bool) if m is None else m == 1 for r, m in zip(responses, masks or [None] * num_rows)
+    ]
     table = rollout_table(
         sample_ids=sample_ids,
         prompt_index=np.arange(num_rows) // group_size + 1000 * parse_shard_id(shard_id)[2],
@@ -151,6 +164,8 @@ def write_synthetic_shard(
         ground_truth=ground_truth,
         student_topk_ids=topk_s,
         student_topk=student_topk,
+        loss_mask=masks,
+        turn_index=None if masks is None else [None if m is None else _segments(m) for m in masks],
     )
     write_rollout_shard(store, run, shard_id, table, student_topk=student_topk)
     if not annotate:
@@ -161,19 +176,20 @@ def write_synthetic_shard(
             rows = np.arange(num_rows)
         else:
             rows = np.array([i for i, ds in enumerate(data_sources) if routing.get(ds) == name], dtype=np.int64)
-        sub_lengths = lengths[rows]
+        sub_lengths = np.array([int(trained[i].sum()) for i in rows], dtype=np.int64)
+        keep = np.concatenate([trained[i] for i in rows]) if len(rows) else np.zeros(0, dtype=bool)
         total = int(sub_lengths.sum())
         if model is not None and len(rows):
             lps = response_logprobs(model, [prompts[i] for i in rows], [responses[i] for i in rows])
             flat = torch.cat(lps) if lps else torch.zeros(0, vocab_size)
             top = flat.topk(top_k, dim=-1)
-            ids, lp = top.indices.numpy(), top.values.numpy()
+            ids, lp = top.indices.numpy()[keep], top.values.numpy()[keep]
             sampled = torch.from_numpy(np.concatenate([responses[i] for i in rows]).astype(np.int64))
-            token_lp = flat.gather(1, sampled[:, None]).squeeze(1).numpy()
+            token_lp = flat.gather(1, sampled[:, None]).squeeze(1).numpy()[keep]
             support = None
             if student_topk:
                 sup_ids = torch.from_numpy(np.concatenate([topk_s[i] for i in rows]).astype(np.int64))
-                support = flat.gather(1, sup_ids).numpy()
+                support = flat.gather(1, sup_ids).numpy()[keep]
         else:
             # distinct ids per position: a random start, then consecutive ids (mod V)
             ids = (rng.integers(0, vocab_size, size=(total, 1)) + np.arange(top_k)) % vocab_size
@@ -195,6 +211,11 @@ def write_synthetic_shard(
         )
         write_annotated_part(store, run, shard_id, name, part, top_k=top_k, student_topk=student_topk)
     return {"sample_ids": sample_ids, "prompts": prompts, "responses": responses}
+
+
+def _segments(mask: np.ndarray) -> np.ndarray:
+    """A turn index for a synthetic mask: each run of equal mask values is one message."""
+    return np.concatenate([[0], np.cumsum(mask[1:] != mask[:-1])]).astype(np.int16) if len(mask) else mask
 
 
 def write_synthetic_store(store: Store, run: RunManifest, num_shards: int, **shard_options) -> list[str]:

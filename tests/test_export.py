@@ -145,6 +145,7 @@ def expected_rows(store: Store, teacher: str, tokenizer) -> list[dict]:
                     "prompt_ids": r["prompt_ids"],
                     "response_ids": r["response_ids"],
                     "behavior_logprobs": r["behavior_logprobs"],
+                    "loss_mask": r.get("loss_mask"),  # single-turn rows: null
                     "teacher_token_logprob": ann["teacher_token_logprob"],
                     "teacher_topk_ids": ann["teacher_topk_ids"],
                     "teacher_topk_logprobs": ann["teacher_topk_logprobs"],

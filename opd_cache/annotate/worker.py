@@ -48,6 +48,7 @@ from opd_cache.annotate.engines import make_scorer
 from opd_cache.annotate.leases import LeaseBook
 from opd_cache.annotate.selection import ShardSelection, shard_owner
 from opd_cache.annotate.teacher_checks import check_teacher_tokenizer, embedding_size_of
+from opd_cache.annotate.trained_positions import keep_trained_positions
 from opd_cache.config import AnnotateConfig, Config
 from opd_cache.engine import Scorer, engine_fields
 from opd_cache.observe.metrics import MetricsLog
@@ -319,6 +320,7 @@ class Annotator:
             return True
 
         scores = self.scorer.score(tokens.prompts, tokens.responses, self.top_k, tokens.support)
+        scores = keep_trained_positions(scores, rows)  # the whole conversation scored, its trained tokens kept
         out = annotated_table(
             sample_ids=rows["sample_id"].to_pylist(),
             lengths=scores.lengths,

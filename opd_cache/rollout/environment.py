@@ -87,6 +87,9 @@ _MAX_EXPRESSION = 64  # characters
 _MAX_MAGNITUDE = 10**12
 
 
+REQUIRE_TOOL_REPLY = "Check it with calc."  # the user's reply to an unchecked answer (require_tool)
+
+
 class CalculatorError(ValueError):
     pass
 
@@ -136,9 +139,12 @@ class CalculatorEnvironment:
     answered with an `error: ...` result the student can read), or `Done` when the message calls no tool:
     reason "answered" after at least one successful call, "answered_without_tool" otherwise,
     "bad_tool_call" when the message's tool call did not parse, "too_many_calls" past `max_calls`.
+    With `require_tool`, an answer before any successful call is not the end: the user replies
+    `REQUIRE_TOOL_REPLY` and the student takes another turn (until the loop's `max_turns`).
     """
 
     max_calls: int = 4
+    require_tool: bool = False
     tools: list[dict] = field(default_factory=lambda: [CALC_TOOL])
     calls: int = 0  # tool calls in the current conversation
     failed_calls: int = 0  # of which answered with an error
@@ -157,6 +163,8 @@ class CalculatorEnvironment:
         if assistant.parse_error is not None:
             return Done("bad_tool_call")
         if not assistant.tool_calls:
+            if self.require_tool and self.calls == self.failed_calls:
+                return [Message(role="user", content=REQUIRE_TOOL_REPLY)]
             return Done("answered" if self.calls > self.failed_calls else "answered_without_tool")
         if self.calls + len(assistant.tool_calls) > self.max_calls:
             return Done("too_many_calls")

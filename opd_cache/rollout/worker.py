@@ -47,6 +47,7 @@ from opd_cache.config import Config, RolloutConfig
 from opd_cache.engine import Generator, SampleRequest, engine_fields
 from opd_cache.flow.staleness import is_too_stale
 from opd_cache.observe.metrics import MetricsLog
+from opd_cache.rollout.agent import AgentSampler, AgentShardBuffer
 from opd_cache.rollout.display import ProgressDisplay
 from opd_cache.rollout.engines import make_engine
 from opd_cache.rollout.pacing import BacklogGauge
@@ -113,6 +114,9 @@ class ShardBuffer:
 
     def __len__(self) -> int:
         return len(self.columns["prompt_index"])
+
+    def length_fraction(self) -> float:
+        return self.columns["finish_reason"].count("length") / max(len(self), 1)
 
     def add(self, prompts: PromptSet, positions: np.ndarray, responses: list, n: int) -> None:
         c = self.columns
@@ -185,7 +189,8 @@ class RolloutWorker:
     # the loop's state: pacing, the rows waiting to be published, reporting
     backlog_gauge: BacklogGauge  # unconsumed rows and the trainer's remaining demand (pacing.py)
     backlog: int  # the gauge's last reading
-    buffer: ShardBuffer
+    agent: AgentSampler | None  # rollout.agent: conversations with an environment (agent.py); None: single-turn
+    buffer: ShardBuffer | AgentShardBuffer
     prompts_per_shard: int  # a shard holds whole prompts: ceil(flush_rows / n)
     result: RolloutResult  # what this call published
     display: ProgressDisplay
@@ -212,6 +217,11 @@ class RolloutWorker:
         )
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
         self.student_topk = self._student_topk(run)
+        self.agent = None  # rollout.agent: conversations instead of single responses (agent.py)
+        if cfg.agent.environment is not None:
+            self.agent = AgentSampler.from_config(
+                cfg.agent, self.tokenizer, cfg.sampling.max_new_tokens, self.student_topk
+            )
         run_fields = dict(
             student=student,
             tokenizer_fingerprint=self.fingerprint,
@@ -247,7 +257,7 @@ class RolloutWorker:
         # The loop's state: pacing, the buffer of rows, what this call publishes, the progress display.
         self.backlog_gauge = BacklogGauge(store)
         self.backlog = 0
-        self.buffer = ShardBuffer(self.student_topk)
+        self.buffer = AgentShardBuffer() if self.agent else ShardBuffer(self.student_topk)
         self.prompts_per_shard = math.ceil(cfg.flush_rows / cfg.n)
         self.result = RolloutResult(
             cursor=self.cursor,
@@ -316,7 +326,7 @@ class RolloutWorker:
                 "total_samples": self.total_samples,
                 "backlog": self.backlog,
                 "tokens_per_s": result.tokens / result.generate_seconds if result.generate_seconds else 0.0,
-                "finish_length_frac": buffer.columns["finish_reason"].count("length") / rows,
+                "finish_length_frac": buffer.length_fraction(),
             }
         )
         result.shards.append(shard_id)
@@ -393,13 +403,18 @@ class RolloutWorker:
         request = SampleRequest(
             cfg.sampling, cfg.n, student_topk=self.student_topk, seed=batch_seed(cfg.seed, self.worker, self.cursor)
         )
-        responses = self.engine.generate([self.prompts.prompt_ids[p] for p in positions], request)
-        result.generate_seconds += time.monotonic() - tic
-        buffer.add(self.prompts, positions, responses, cfg.n)
+        if self.agent is not None:  # n conversations per prompt, each a row (agent.py)
+            rows, tokens = self.agent.sample(self.engine, self.prompts, positions, cfg.n, request, buffer)
+            result.generate_seconds += time.monotonic() - tic
+        else:
+            responses = self.engine.generate([self.prompts.prompt_ids[p] for p in positions], request)
+            result.generate_seconds += time.monotonic() - tic
+            buffer.add(self.prompts, positions, responses, cfg.n)
+            rows, tokens = len(responses), sum(len(r.token_ids) for r in responses)
         self.cursor += count
-        self.total_samples += len(responses)
-        result.samples += len(responses)
-        result.tokens += sum(len(r.token_ids) for r in responses)
+        self.total_samples += rows
+        result.samples += rows
+        result.tokens += tokens
         self.display.update(completed=self.total_samples, tps=result.tokens / max(result.generate_seconds, 1e-9))
 
     # ------------------------------------------------------------ phase 4-5: the loop

@@ -185,3 +185,13 @@ def trained_mask(table: pa.Table) -> np.ndarray:
         masked_tokens = np.repeat(has_mask, lengths)
         trained[masked_tokens] = flat_values(column) != 0
     return trained
+
+
+def trained_lengths(table: pa.Table) -> np.ndarray:
+    """Trained positions per row of `table` (int64): the length of each row's annotated lists."""
+    lengths = list_lengths(table["response_ids"])
+    if LOSS_MASK not in table.schema.names or not len(lengths):
+        return lengths
+    counts = np.concatenate([[0], np.cumsum(trained_mask(table), dtype=np.int64)])
+    offsets = offsets_from_lengths(lengths)
+    return counts[offsets[1:]] - counts[offsets[:-1]]

@@ -34,6 +34,7 @@ from opd_cache.storage.columns import (
     ragged,
     ragged_fixed,
     rollout_schema,
+    trained_lengths,
     trained_mask,
 )
 from opd_cache.storage.layout import SCHEMA_VERSION
@@ -53,6 +54,7 @@ __all__ = [  # the names other modules import from here that live in columns.py 
     "ragged",
     "ragged_fixed",
     "rollout_schema",
+    "trained_lengths",
     "trained_mask",
 ]
 
@@ -326,7 +328,8 @@ def check_annotation_matches(
     rollout: pa.Table, annotated: pa.Table, where: str, *, every_row: bool = True
 ) -> np.ndarray:
     """An annotated part must cover samples of its rollout shard, in rollout order, with one entry per response
-    token; returns the rollout row of each of its rows. `every_row=False` accepts a part that covers only some
+    token it trains (every response token of a single-turn row, the loss_mask=1 ones of a multi-turn
+    row); returns the rollout row of each of its rows. `every_row=False` accepts a part that covers only some
     rows (routing sends the others to other teachers)."""
     if annotated.num_rows == rollout.num_rows and annotated["sample_id"].equals(rollout["sample_id"]):
         rows = np.arange(rollout.num_rows, dtype=np.int64)
@@ -341,12 +344,14 @@ def check_annotation_matches(
         rows = found.to_numpy(zero_copy_only=False).astype(np.int64)
         if len(rows) > 1 and not np.all(np.diff(rows) > 0):
             raise ShardError(f"{where}: rows are not in rollout order (or repeat a sample)")
-    expected = list_lengths(rollout["response_ids"])[rows]
+    expected = trained_lengths(rollout)[rows]  # one entry per trained position ("Schema version 2")
     got = list_lengths(annotated["teacher_token_logprob"])
     bad = np.nonzero(expected != got)[0]
     if len(bad):
         r = int(bad[0])
-        raise ShardError(f"{where}: row {r} has {got[r]} teacher positions but its response has {expected[r]} tokens")
+        raise ShardError(
+            f"{where}: row {r} has {got[r]} teacher positions but its response has {expected[r]} tokens to train"
+        )
     return rows
 
 

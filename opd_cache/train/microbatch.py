@@ -7,6 +7,10 @@ it), so the batch carries those flat positions (`response_positions`, into the
 [B * L] flattened hidden states) and every per-token target as a flat [N, …]
 array in row order.
 
+Multi-turn rows (schema version 2) carry every response token in the input ids (tool results and template
+text are context) but only their trained tokens (loss_mask = 1) in the per-token arrays: an untrained token has
+no entry, so no loss and no gradient of its own; the aggregation counts trained tokens only.
+
 Everything is built with numpy on the flat Arrow values (one gather per column
 per shard); there is no loop over rows.
 """
@@ -27,7 +31,7 @@ class MicroBatch:
     input_ids: torch.Tensor  # [B, L] int64, right-padded
     attention_mask: torch.Tensor  # [B, L] int64
     response_positions: torch.Tensor  # [N] int64, index into the [B * L] hidden states
-    sampled_ids: torch.Tensor  # [N] int64, the response tokens
+    sampled_ids: torch.Tensor  # [N] int64, the trained response tokens
     behavior_logprobs: torch.Tensor  # [N] float32
     teacher_topk_ids: torch.Tensor  # [N, k] int32 (as stored)
     teacher_topk_logprobs: torch.Tensor  # [N, k] float16 or float32 (as stored)
@@ -94,6 +98,8 @@ def decode_rows(
         for k in (
             "prompt_len",
             "response_len",
+            "trained_len",
+            "trained",
             "prompt",
             "response",
             "behavior",
@@ -110,8 +116,14 @@ def decode_rows(
         pieces["prompt_len"].append(data.prompt_lengths[rows])
         pieces["response_len"].append(data.response_lengths[rows])
         pieces["prompt"].append(data.prompt_values[ragged_index(data.prompt_offsets, rows)])
+        pieces["trained_len"].append(data.trained_lengths[rows])
         tokens = ragged_index(data.response_offsets, rows)
         pieces["response"].append(data.response_values[tokens])
+        if data.trained is not None:  # the per-token columns below: trained tokens only
+            pieces["trained"].append(data.trained[tokens])
+            tokens = tokens[data.trained[tokens]]
+        else:
+            pieces["trained"].append(np.ones(len(tokens), dtype=bool))
         pieces["behavior"].append(data.behavior_logprobs[tokens])
         teacher_rows = tokens if data.teacher_token_index is None else data.teacher_token_index[tokens]
         pieces["topk_ids"].append(data.topk_ids[teacher_rows])
@@ -136,9 +148,14 @@ def decode_rows(
     )
     input_ids[row_of_token, col_of_token] = cat["response"]
     attention_mask = (np.arange(width)[None, :] < seq_len[:, None]).astype(np.int64)
+    trained, trained_len = cat["trained"], cat["trained_len"]
+    positions = row_of_token * width + col_of_token - 1
+    response = cat["response"]
+    if not trained.all():
+        positions, response = positions[trained], response[trained]
 
-    # Aggregation weights of the whole optimizer step (global token / sequence counts).
-    mask = torch.from_numpy(np.arange(max(int(response_len.max()), 1))[None, :] < response_len[:, None])
+    # Aggregation weights of the whole optimizer step (global token / sequence counts), over trained tokens.
+    mask = torch.from_numpy(np.arange(max(int(trained_len.max()), 1))[None, :] < trained_len[:, None])
     weights = aggregation_weights(
         mask, aggregation, global_tokens=max(global_tokens, 1), global_seqs=max(global_seqs, 1)
     )[mask]
@@ -147,8 +164,8 @@ def decode_rows(
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attention_mask),
-        response_positions=torch.from_numpy(row_of_token * width + col_of_token - 1),
-        sampled_ids=torch.from_numpy(cat["response"].astype(np.int64)),
+        response_positions=torch.from_numpy(positions),
+        sampled_ids=torch.from_numpy(response.astype(np.int64)),
         behavior_logprobs=torch.from_numpy(cat["behavior"]),
         # top-k columns keep their stored dtypes (int32 ids, float16/32 log-probs): half the bytes to copy
         # and to move to the GPU; the loss converts them on the device
@@ -159,7 +176,7 @@ def decode_rows(
         support_ids=torch.from_numpy(cat["support_ids"]) if support else None,
         support_logprobs=torch.from_numpy(cat["support_lp"]) if support else None,
         advantages=(
-            torch.from_numpy(np.repeat(advantages[order], response_len).astype(np.float32))
+            torch.from_numpy(np.repeat(advantages[order], trained_len).astype(np.float32))
             if advantages is not None
             else None
         ),

@@ -288,6 +288,7 @@ class ReplayStream:
             row_index=np.concatenate([rows for _, rows, _ in parts]),
             prompt_lengths=np.concatenate([data.prompt_lengths[rows] for _, rows, data in parts]),
             response_lengths=np.concatenate([data.response_lengths[rows] for _, rows, data in parts]),
+            trained_lengths=np.concatenate([data.trained_lengths[rows] for _, rows, data in parts]),
             row_version=np.concatenate(
                 [np.full(len(rows), data.policy_version, dtype=np.int32) for _, rows, data in parts]
             ),

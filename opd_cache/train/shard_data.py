@@ -9,6 +9,10 @@ gather any set of rows with a few numpy fancy-indexing calls.
 
 Rows that no part holds (routing sent them to no teacher) are "unrouted": they
 are never trained and are recorded in the skipped ledger.
+
+Multi-turn rows (schema version 2) train only at their loss_mask=1 positions, and their parts hold one entry
+per such position; `trained` marks them and `teacher_token_index` maps each one to its part entry (untrained
+tokens, e.g. tool output, map to -1: they are context for the forward pass and never get a loss).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from opd_cache.storage.schema import (
     flat_values,
     list_lengths,
     read_shard,
+    trained_mask,
 )
 from opd_cache.storage.store import Store, parse_shard_id
 
@@ -81,13 +86,20 @@ class ShardData:
     token_logprob: np.ndarray  # [T'] float32
     support_logprobs: np.ndarray | None  # [T', k_s] float32
     teacher_token_index: np.ndarray | None
+    trained: np.ndarray | None = None  # [T] bool, the tokens with a loss; None: every token (single-turn rows)
 
     prompt_lengths: np.ndarray | None = None  # [rows] int64, derived from the offsets
     response_lengths: np.ndarray | None = None
+    trained_lengths: np.ndarray | None = None  # [rows] int64, tokens with a loss per row
 
     def __post_init__(self):
         self.prompt_lengths = np.diff(self.prompt_offsets)
         self.response_lengths = np.diff(self.response_offsets)
+        if self.trained is None:
+            self.trained_lengths = self.response_lengths
+        else:
+            counts = np.concatenate([[0], np.cumsum(self.trained, dtype=np.int64)])
+            self.trained_lengths = counts[self.response_offsets[1:]] - counts[self.response_offsets[:-1]]
 
 
 def load_shard(
@@ -128,7 +140,9 @@ def load_shard(
         parts.append((teacher, table, where))
 
     teacher_of_row = np.full(n, -1, dtype=np.int16)
-    single_full = len(parts) == 1 and parts[0][1].num_rows == n
+    trained = trained_mask(rollout)
+    all_trained = bool(trained.all())
+    single_full = len(parts) == 1 and parts[0][1].num_rows == n and all_trained
     part_rows: list[np.ndarray] = []
     for i, (teacher, table, where) in enumerate(parts):
         rows = check_annotation_matches(rollout, table, where, every_row=False)
@@ -151,7 +165,8 @@ def load_shard(
         token_lp, support_lp = column(table, "teacher_token_logprob"), column(table, "teacher_support_logprobs")
         index = None
     else:
-        # Several parts (or a partial one): concatenate them once and map rollout tokens to their rows.
+        # Several parts (or a partial one, or masked rows): concatenate them once and map the trained rollout
+        # tokens to their rows.
         topk_ids = _concat([column(t, "teacher_topk_ids") for _, t, _ in parts])
         topk_lp = _concat([column(t, "teacher_topk_logprobs").astype(np.float32, copy=False) for _, t, _ in parts])
         token_lp = _concat([column(t, "teacher_token_logprob") for _, t, _ in parts])
@@ -160,6 +175,7 @@ def load_shard(
         base = 0
         for rows in part_rows:
             tokens = ragged_index(response_offsets, rows)
+            tokens = tokens if all_trained else tokens[trained[tokens]]
             index[tokens] = base + np.arange(len(tokens), dtype=np.int64)
             base += len(tokens)
 
@@ -184,6 +200,7 @@ def load_shard(
         token_logprob=token_lp,
         support_logprobs=support_lp,
         teacher_token_index=index,
+        trained=None if all_trained else trained,
     )
 
 

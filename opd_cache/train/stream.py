@@ -104,6 +104,7 @@ class GlobalBatch:
     cursor: StreamCursor  # after this batch (a copy: the stream moves on)
     expired_rows: int = 0  # rows that expired while this batch was assembled
     wait_seconds: float = 0.0  # time spent waiting for admissible data
+    trained_lengths: np.ndarray | None = None  # [n] int64 response tokens with a loss (None: all of them)
     # filled by assign_ranks
     rank_of_row: np.ndarray | None = None
     micro_of_row: np.ndarray | None = None
@@ -117,11 +118,15 @@ class GlobalBatch:
 
     @property
     def response_tokens(self) -> int:
-        return int(self.response_lengths.sum())
+        """Response tokens with a loss (the token-mean denominator): a multi-turn row's trained ones."""
+        return int(self._trained().sum())
 
     @property
     def global_seqs(self) -> int:
-        return int((self.response_lengths > 0).sum())
+        return int((self._trained() > 0).sum())
+
+    def _trained(self) -> np.ndarray:
+        return self.response_lengths if self.trained_lengths is None else self.trained_lengths
 
     def staleness_histogram(self) -> dict[str, int]:
         values, counts = np.unique(self.version - self.row_version, return_counts=True)
@@ -429,6 +434,7 @@ class ShardStream:
             row_index=row_index,
             prompt_lengths=np.concatenate([data.prompt_lengths[rows] for _, rows, data in builder.parts]),
             response_lengths=np.concatenate([data.response_lengths[rows] for _, rows, data in builder.parts]),
+            trained_lengths=np.concatenate([data.trained_lengths[rows] for _, rows, data in builder.parts]),
             row_version=np.concatenate(
                 [np.full(len(rows), data.policy_version, dtype=np.int32) for _, rows, data in builder.parts]
             ),

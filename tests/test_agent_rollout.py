@@ -1,0 +1,181 @@
+"""Multi-turn rollouts in `opd rollout` (rollout.agent) with the demo models and the calculator, annotated at
+trained positions only (the teacher's entries equal a direct forward over the whole conversation), then trained."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from opd_cache.annotate import run_annotate
+from opd_cache.config import AgentConfig, load_config
+from opd_cache.models import load_causal_lm
+from opd_cache.rollout import run_rollout
+from opd_cache.rollout.agent import AgentSampler, agent_summary
+from opd_cache.rollout.environment import REQUIRE_TOOL_REPLY, CalculatorEnvironment
+from opd_cache.rollout.messages import Message, ToolCall
+from opd_cache.storage import layout
+from opd_cache.storage.schema import ROLLOUT, flat_values, list_lengths, read_shard, trained_lengths, trained_mask
+from opd_cache.storage.store import Store
+from opd_cache.train import run_train
+
+REPO = Path(__file__).resolve().parents[1]
+STUDENT, TEACHER = REPO / "data/models/student", REPO / "data/models/teacher"
+
+
+def agent_config(store, **rollout) -> dict:
+    overrides = {
+        "store.uri": store.uri,
+        "rollout.student": str(STUDENT),
+        "rollout.prompts": str(REPO / "data/arithmetic/train.parquet"),
+        "rollout.n": 2,
+        "rollout.batch_prompts": 4,
+        "rollout.flush_rows": 8,
+        "rollout.max_samples": 8,
+        "rollout.sampling.max_new_tokens": 10,
+        "rollout.agent.environment": "calculator",
+        "rollout.agent.environment_options": {"require_tool": True},
+        "rollout.agent.chat_template": str(REPO / "data/chat_templates/arithmetic_tools.jinja"),
+        "rollout.agent.max_turns": 3,
+        "rollout.agent.max_tokens": 64,
+        "annotate.teacher": str(TEACHER),
+        "annotate.top_k": 8,
+        "train.max_steps": 2,
+        "train.global_batch_samples": 4,
+        "train.lr": 1e-3,
+    }
+    overrides.update({f"rollout.{k}": v for k, v in rollout.items()})
+    return load_config(None, overrides=overrides)
+
+
+def test_require_tool_asks_again_until_a_successful_call():
+    env = CalculatorEnvironment(require_tool=True)
+    env.reset("What is 2 + 3?")
+    assert env.step(Message("assistant", " ans= 5")) == [Message("user", REQUIRE_TOOL_REPLY)]
+    assert env.step(Message("assistant", "", [ToolCall("calc", "2+3")]))[0].content == "5"
+    assert env.step(Message("assistant", " #### 5")).reason == "answered"
+
+
+def test_agent_rollout_annotate_and_train(local_store):
+    cfg = agent_config(local_store)
+    result = run_rollout(cfg, local_store)
+    assert result.samples == 8 and len(result.shards) == 1
+    info = local_store.shards.rollouts()[0]
+    rollout, meta = read_shard(local_store, info.path, kind=ROLLOUT)
+    assert meta.schema_version == 2 and "loss_mask" in rollout.schema.names
+    # the demo student answers without the tool, so the environment asks again: conversations of several turns
+    mask = trained_mask(rollout)
+    assert 0 < mask.sum() < len(mask)
+    summary = agent_summary(rollout["extra"].to_pylist())
+    assert summary["conversations"] == 8, summary
+    behavior = flat_values(rollout["behavior_logprobs"])
+    assert np.all(behavior[~mask] == 0) and np.all(behavior[mask] < 0)
+    extra = json.loads(rollout["extra"][0].as_py())
+    assert {"a", "b"} <= extra.keys() and extra["agent"]["turns"] >= 1  # the prompt's extra_info is kept
+
+    run_annotate(cfg, local_store)
+    part, _ = read_shard(local_store, layout.annotated_path(info.shard_id, "teacher"))
+    np.testing.assert_array_equal([len(x) for x in part["teacher_token_logprob"].to_pylist()], trained_lengths(rollout))
+    # the teacher saw the whole conversation: its entries are a direct forward's at the trained positions
+    teacher = load_causal_lm(TEACHER)
+    for row in range(rollout.num_rows):
+        prompt = rollout["prompt_ids"][row].as_py()
+        response = rollout["response_ids"][row].as_py()
+        keep = np.ones(len(response), bool)
+        if rollout["loss_mask"][row].is_valid:
+            keep = np.asarray(rollout["loss_mask"][row].as_py()) == 1
+        with torch.no_grad():
+            logits = teacher(input_ids=torch.tensor([prompt + response])).logits[0].float()
+        logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)[torch.from_numpy(keep)]
+        sampled = torch.tensor(response)[torch.from_numpy(keep)]
+        expected = logprobs.gather(1, sampled[:, None]).squeeze(1)
+        got = torch.tensor(part["teacher_token_logprob"][row].as_py())
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        top = torch.tensor(part["teacher_topk_logprobs"][row].as_py())
+        torch.testing.assert_close(top, logprobs.topk(8, -1).values, rtol=1e-4, atol=1e-4)
+
+    trained = run_train(cfg, local_store)
+    assert trained.step == 2
+
+
+def test_agent_config_errors_name_the_key(tokenizer):
+    def sampler(student_topk=0, **agent):
+        base = dict(environment="calculator", chat_template=str(REPO / "data/chat_templates/arithmetic_tools.jinja"))
+        return AgentSampler.from_config(AgentConfig(**{**base, **agent}), tokenizer, 10, student_topk)
+
+    assert sampler().limits.max_new_tokens == 10
+    with pytest.raises(ValueError, match=r"rollout.agent.chat_template missing.jinja: no such file"):
+        sampler(chat_template="missing.jinja")
+    with pytest.raises(ValueError, match=r"rollout.agent.environment_options .*unexpected keyword argument 'nope'"):
+        sampler(environment_options={"nope": 1})
+    with pytest.raises(ValueError, match=r"student_topk > 0 \(union support\) is not supported with rollout.agent"):
+        sampler(student_topk=2)
+
+
+@pytest.mark.slow  # the example's whole pipeline (`opd run`), 30-90 s on 2 cores: run by .ci/run's `-m slow` step
+def test_the_agent_example_runs_and_its_masked_loss_falls(tmp_path):
+    store_dir = tmp_path / "store"
+    command = [
+        sys.executable,
+        "-m",
+        "opd_cache.cli",
+        "run",
+        "--config",
+        "examples/arithmetic_agent_cpu/config.yaml",
+        "--store",
+        str(store_dir),
+        "--set",
+        "train.max_steps=20",
+    ]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    store = Store(store_dir)
+    shards = store.shards.rollouts()
+    assert shards
+    for info in shards:  # every conversation has environment text between its turns: a mask with zeros
+        rollout, _ = read_shard(store, info.path, kind=ROLLOUT)
+        assert rollout["loss_mask"].null_count == 0
+        assert np.all(trained_lengths(rollout) < np.diff(rollout["response_ids"].combine_chunks().offsets))
+    losses = [json.loads(line)["loss"] for line in store.read_bytes("metrics/train-0.jsonl").decode().splitlines()]
+    assert len(losses) == 20
+    assert np.mean(losses[-3:]) < 0.6 * np.mean(losses[:3]), losses
+
+
+def test_writer_conversations_annotate_and_train_exactly_once(local_store, tokenizer):
+    """An external agent loop's rows (RolloutWriter, rendered conversations with masks) train like opd rollout's."""
+    from opd_cache import RolloutWriter
+    from opd_cache.rollout.conversation import ChatRenderer, render_conversation
+    from opd_cache.train.checkpoint import verify_ledger
+
+    renderer = ChatRenderer.from_file(tokenizer, REPO / "data/chat_templates/arithmetic_tools.jinja")
+    rng = np.random.default_rng(0)
+    with RolloutWriter(local_store, tokenizer, student=str(STUDENT), worker_id="agent0", flush_rows=4) as writer:
+        for i in range(8):
+            a, b = (int(x) for x in rng.integers(10, 99, size=2))
+            row = render_conversation(
+                renderer,
+                [
+                    Message("user", f"What is {a} + {b}?"),
+                    Message("assistant", "", [ToolCall("calc", f"{a}+{b}")]),
+                    Message("tool", str(a + b)),
+                    Message("assistant", f" #### {a + b}"),
+                ],
+            )
+            logprobs = np.where(row.loss_mask == 1, -0.5, 0.0)  # a producer's own behavior log-probs
+            writer.append_conversation(row, behavior_logprobs=logprobs, ground_truth=str(a + b))
+    assert writer.shards == ["v000000-agent0-000000", "v000000-agent0-000001"]
+    cfg = agent_config(local_store)
+    run_annotate(cfg, local_store)
+    for shard_id in writer.shards:
+        rollout, _ = read_shard(local_store, layout.rollout_path(shard_id))
+        part, _ = read_shard(local_store, layout.annotated_path(shard_id, "teacher"))
+        np.testing.assert_array_equal(list_lengths(part["teacher_token_logprob"]), trained_lengths(rollout))
+        assert np.all(trained_lengths(rollout) < list_lengths(rollout["response_ids"]))  # "= 85\n" untrained
+    assert run_train(cfg, local_store).step == 2
+    ledger = verify_ledger(local_store)
+    assert ledger["trained"] == 8 and not ledger["duplicates"], ledger

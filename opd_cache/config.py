@@ -149,6 +149,16 @@ class AnnotateConfig(Section):
         1.0, gt=0, description="wait between listings of new rollout shards; each is a LIST on S3"
     )
     trust_remote_code: bool = Field(False, description="let transformers run the model repository's own code")
+    cross_tokenizer: bool = Field(
+        False,
+        description="allow a teacher whose tokenizer differs from the student's: align the two tokenizations and "
+        "store targets at the student's positions (docs/cross-tokenizer.md)",
+    )
+    cross_tokenizer_topk: Literal["one_to_one", "group_start"] = Field(
+        "one_to_one",
+        description="cross-tokenizer: where the top-k is a target: one_to_one (a group of one token on both "
+        "sides) or group_start (also the first position of every longer group)",
+    )
 
     @model_validator(mode="after")
     def _worker_in_range(self):
@@ -194,6 +204,12 @@ class TrainConfig(Section):
     importance_cap: float | None = Field(None, gt=0, description="truncated IS weight min(exp(s - s_behavior), c)")
     task_reward_weight: float = Field(0.0, ge=0, description="0 = pure distillation; >0 adds GRPO task loss")
     distill_weight: float = Field(1.0, ge=0, description="λ in total = task loss + λ·distillation")
+    span_weight: float = Field(
+        1.0, ge=0, description="cross-tokenizer parts: weight of the span term on groups without a top-k target"
+    )
+    span_estimator: Literal["k2", "k3", "abs"] = Field(
+        "k2", description="cross-tokenizer parts: the span term's estimator of the group KL (docs/cross-tokenizer.md)"
+    )
     activation_checkpointing: bool = Field(
         False, description="recompute activations in the backward pass (less memory)"
     )

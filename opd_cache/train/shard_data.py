@@ -24,6 +24,7 @@ from opd_cache.storage.manifest import RunManifest, as_manifest
 from opd_cache.storage.schema import (
     ANNOTATED,
     ROLLOUT,
+    TARGET_FLAGS,
     ShardError,
     check_annotation_matches,
     flat_values,
@@ -31,6 +32,7 @@ from opd_cache.storage.schema import (
     read_shard,
 )
 from opd_cache.storage.store import Store, parse_shard_id
+from opd_cache.target_flags import SAME_TOKENIZER
 
 
 def required_teachers(run: RunManifest | dict) -> list[str]:
@@ -81,6 +83,8 @@ class ShardData:
     token_logprob: np.ndarray  # [T'] float32
     support_logprobs: np.ndarray | None  # [T', k_s] float32
     teacher_token_index: np.ndarray | None
+    # [T'] uint8, cross-tokenizer target flags (opd_cache/target_flags.py); None when no part has the column
+    target_flags: np.ndarray | None = None
 
     prompt_lengths: np.ndarray | None = None  # [rows] int64, derived from the offsets
     response_lengths: np.ndarray | None = None
@@ -150,12 +154,14 @@ def load_shard(
         topk_ids, topk_lp = column(table, "teacher_topk_ids"), column(table, "teacher_topk_logprobs")
         token_lp, support_lp = column(table, "teacher_token_logprob"), column(table, "teacher_support_logprobs")
         index = None
+        flags = column(table, TARGET_FLAGS)
     else:
         # Several parts (or a partial one): concatenate them once and map rollout tokens to their rows.
         topk_ids = _concat([column(t, "teacher_topk_ids") for _, t, _ in parts])
         topk_lp = _concat([column(t, "teacher_topk_logprobs").astype(np.float32, copy=False) for _, t, _ in parts])
         token_lp = _concat([column(t, "teacher_token_logprob") for _, t, _ in parts])
         support_lp = _concat([column(t, "teacher_support_logprobs") for _, t, _ in parts]) if need_support else None
+        flags = part_target_flags([t for _, t, _ in parts])
         index = np.full(total, -1, dtype=np.int64)
         base = 0
         for rows in part_rows:
@@ -184,6 +190,22 @@ def load_shard(
         token_logprob=token_lp,
         support_logprobs=support_lp,
         teacher_token_index=index,
+        target_flags=flags,
+    )
+
+
+def part_target_flags(tables: list[pa.Table]) -> np.ndarray | None:
+    """The parts' target flags, concatenated; a same-tokenizer part among cross-tokenizer ones counts as
+    SAME_TOKENIZER at every position. None when no part has the column."""
+    if not any(TARGET_FLAGS in t.schema.names for t in tables):
+        return None
+    return _concat(
+        [
+            flat_values(t[TARGET_FLAGS])
+            if TARGET_FLAGS in t.schema.names
+            else np.full(int(list_lengths(t["teacher_token_logprob"]).sum()), SAME_TOKENIZER, dtype=np.uint8)
+            for t in tables
+        ]
     )
 
 

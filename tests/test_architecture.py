@@ -6,7 +6,7 @@ has to follow, and the cycle it closes comes back the day the annotation is eval
 
 Layers, bottom up. A module imports from its own package and from lower layers, never from a higher one:
 
-    0  core        config, engine, models, tokenizer, vllm_common (and the package root, _moved)
+    0  core        config, engine, models, tokenizer, vllm_common, target_flags (and the package root, _moved)
     1  storage     storage/            the store: layout, atomic files, shards, manifest, retention
     2  libraries   losses/, flow/, observe/, tasks/, and testing.py (synthetic shards, for tests and benchmarks)
     3  stages      rollout/, annotate/, train/, and their peers evaluate.py and export.py
@@ -32,7 +32,7 @@ from tests.conftest import REPO
 PACKAGE = REPO / "opd_cache"
 MAX_LINES = 500
 
-CORE = ("config", "engine", "models", "tokenizer", "vllm_common", "_moved")
+CORE = ("config", "engine", "models", "tokenizer", "vllm_common", "target_flags", "_moved")
 LAYERS = {  # the first name under opd_cache -> layer (CORE modules: 0)
     "storage": 1,
     "losses": 2,
@@ -50,9 +50,12 @@ LAYERS = {  # the first name under opd_cache -> layer (CORE modules: 0)
 }
 LAYER_NAMES = ("core", "storage", "libraries", "stages", "launch", "cli")
 
-# (importer, imported) between two packages of one layer, and why it is allowed.
+# (importer, imported) that the layering would refuse (two packages of one layer, or the package root's lazy
+# public API), and why each is allowed.
 PEER_IMPORTS = {
     ("opd_cache.evaluate", "opd_cache.rollout.hf_generate"): "the evaluator samples with rollout's HF engine",
+    # the package root's public API for producers (docs/agents.md), imported on first use (module __getattr__)
+    ("opd_cache", "opd_cache.rollout.writer"): "opd_cache.RolloutWriter, imported lazily by the package root",
     ("opd_cache.export", "opd_cache.train.shard_data"): "export reads shards through the trainer's validated reader",
 }
 

@@ -49,6 +49,9 @@ SKIPPED: dict[str, str] = {
     r"^opd demo|^\S+=\S+ opd demo": "the demo: its store is the stage commands' store here; the slow test runs it",
     r"^ray (start|job)": "starts or joins a Ray cluster (on a shared machine it would outlive the test)",
     r"^export AWS_": "S3 credentials",
+    r"^bash scripts/gpu_(check|wheels)\.sh": "the GPU check: an NVIDIA GPU, wheels from PyPI (.ci/run: its --dry-run)",
+    r"-m pytest": "the test suite itself (the docs name the tests of a feature)",
+    r" \[--": "a synopsis (optional flags in brackets)",
 }
 # What runs: opd itself and `python -c`. Any other command must be in SKIPPED, so nothing unexpected (a server,
 # a cluster, an install) ever starts from a doc.

@@ -530,4 +530,4 @@ def test_bad_inputs_each_get_one_message(tmp_path, student_path, tokenizer, teac
 
     # a store nobody rolled out into
     out = run_cli("--store", tmp_path / "empty")
-    assert "run.json does not exist" in out
+    assert "does not exist (no such folder): check the path" in out

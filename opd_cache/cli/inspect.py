@@ -336,7 +336,7 @@ def inspect_command(
     for key, value in info["schema_metadata"].items():
         console.print(f"  {key:28s} {value}", highlight=False)
     console.print(f"  {'rows':28s} {info['rows']}")
-    for key in ("prompt_tokens", "response_tokens", "response_tokens_mean", "finish_reasons"):
+    for key in ("prompt_tokens", "response_tokens", "response_tokens_mean", "finish_reasons", "cross_tokenizer"):
         if key in info:
             console.print(f"  {key:28s} {info[key]}")
     if row is None:
@@ -423,6 +423,7 @@ def print_token_view(row: dict, part: tuple[str, pa.Table], tokenizer) -> None:
             ends = bool(flags[t] & (GROUP_END | EXCLUDED))
             span = row["response_ids"][group_start : t + 1]
             s = float(np.sum(row["behavior_logprobs"][group_start : t + 1])) if ends else float("nan")
+            p = float("nan") if flags[t] & EXCLUDED else p  # a row the alignment refused: no teacher target
             text = (repr(tokenizer.decode(span)) if tokenizer is not None else str(span)) if ends else ""
             cross = [describe_flags(flags[t]), text]
             group_start = t + 1 if ends else group_start

@@ -13,6 +13,8 @@ from opd_cache.storage import layout
 from opd_cache.storage.store import RunManifest, Store
 from opd_cache.tokenizer import check_compatible, load_tokenizer, tokenizer_fingerprint
 
+CROSS_TOKENIZER_HINT = "opd annotate --cross-tokenizer aligns a teacher of another tokenizer: docs/cross-tokenizer.md"
+
 
 def student_tokenizer(store: Store, run: RunManifest):
     """The run's tokenizer, when it can be loaded here (the student folder, or a published policy)."""
@@ -56,8 +58,7 @@ def check_teacher_tokenizer(
     if expected and got != expected:
         raise ValueError(
             f"teacher {teacher} and student {student} tokenizers differ: the teacher's fingerprint is "
-            f"{got}, the run's (run.json) is {expected} (--cross-tokenizer aligns a teacher of another tokenizer; "
-            f"docs/cross-tokenizer.md)"
+            f"{got}, the run's (run.json) is {expected} ({CROSS_TOKENIZER_HINT})"
         )
     if run.vocab_size is not None and len(teacher_tok) != run.vocab_size:
         raise ValueError(

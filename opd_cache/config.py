@@ -6,25 +6,22 @@ One YAML file can hold all sections (`store`, `rollout`, `annotate`, `train`,
     defaults  <  YAML file (--config)  <  stage flags  <  --set dotted.key=value
 
 Unknown keys and wrong types fail with a message naming the key, the value and
-what was expected (pydantic does the checking; `format_validation_error`
-turns its report into one line per problem).
+what was expected (pydantic does the checking; `format_validation_error` in
+config_sources.py turns its report into one line per problem, naming where each value was given).
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from opd_cache.config_sources import ConfigError, format_validation_error, key_sources, leaf_keys, parse_set
+
 DEFAULT_MAX_STALENESS = 2  # the top-level max_staleness (the rule itself: opd_cache/flow/staleness.py)
-
-
-class ConfigError(ValueError):
-    """A configuration the user must fix; the message says which key and what was expected."""
 
 
 class Section(BaseModel):
@@ -166,6 +163,16 @@ class AnnotateConfig(Section):
         1.0, gt=0, description="wait between listings of new rollout shards; each is a LIST on S3"
     )
     trust_remote_code: bool = Field(False, description="let transformers run the model repository's own code")
+    cross_tokenizer: bool = Field(
+        False,
+        description="allow a teacher whose tokenizer differs from the student's: align the two tokenizations and "
+        "store targets at the student's positions (docs/cross-tokenizer.md)",
+    )
+    cross_tokenizer_topk: Literal["one_to_one", "group_start"] = Field(
+        "one_to_one",
+        description="cross-tokenizer: where the top-k is a target: one_to_one (a group of one token on both "
+        "sides) or group_start (also the first position of every longer group)",
+    )
 
     @model_validator(mode="after")
     def _worker_in_range(self):
@@ -211,6 +218,12 @@ class TrainConfig(Section):
     importance_cap: float | None = Field(None, gt=0, description="truncated IS weight min(exp(s - s_behavior), c)")
     task_reward_weight: float = Field(0.0, ge=0, description="0 = pure distillation; >0 adds GRPO task loss")
     distill_weight: float = Field(1.0, ge=0, description="λ in total = task loss + λ·distillation")
+    span_weight: float = Field(
+        1.0, ge=0, description="cross-tokenizer parts: weight of the span term on groups without a top-k target"
+    )
+    span_estimator: Literal["k2", "k3", "abs"] = Field(
+        "k2", description="cross-tokenizer parts: the span term's estimator of the group KL (docs/cross-tokenizer.md)"
+    )
     activation_checkpointing: bool = Field(
         False, description="recompute activations in the backward pass (less memory)"
     )
@@ -346,18 +359,6 @@ class Config(Section):
     ray: RayConfig = RayConfig()
 
 
-def parse_set(assignment: str) -> tuple[str, Any]:
-    """`train.lr=3e-4` -> ("train.lr", 0.0003); the value is parsed as YAML (numbers, bools, lists)."""
-    key, sep, raw = assignment.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--set {assignment!r}: expected dotted.key=value, e.g. --set train.lr=3e-4")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.strip(), value
-
-
 def _assign(tree: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
@@ -417,9 +418,9 @@ def load_config(
             raise ConfigError(f"--config {path}: not valid YAML{at}: {problem}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config {path}: expected a mapping of sections, got {type(loaded).__name__}")
-        _refuse_retired_keys([".".join(key) for key in _leaf_keys(loaded)], f"--config {path}")
+        _refuse_retired_keys([".".join(key) for key in leaf_keys(loaded)], f"--config {path}")
         tree = loaded
-        file_keys = list(_leaf_keys(tree))
+        file_keys = list(leaf_keys(tree))
     for key, value in (overrides or {}).items():
         if value is not None:
             _refuse_retired_keys([key], "overrides")
@@ -431,66 +432,5 @@ def load_config(
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
-        sources = _key_sources(path, file_keys, overrides, sets, flag_names)
+        sources = key_sources(path, file_keys, overrides, sets, flag_names)
         raise ConfigError(format_validation_error(e, sources=sources)) from None
-
-
-def _leaf_keys(tree: dict, prefix: tuple[str, ...] = ()):
-    for name, value in tree.items():
-        if isinstance(value, dict) and value:
-            yield from _leaf_keys(value, (*prefix, str(name)))
-        else:
-            yield (*prefix, str(name))
-
-
-KeySources = list[tuple[tuple[str, ...], str, bool]]  # (key, where it was given, is it a command-line flag)
-
-
-def _key_sources(path, file_keys, overrides, sets, flag_names) -> KeySources:
-    """Where each given key came from, the one that wins first: --set (the last one first), flags, --config."""
-    sources: KeySources = []
-    for assignment in reversed(sets or []):
-        key, _ = parse_set(assignment)
-        sources.append((tuple(key.split(".")), f"--set {assignment}", False))
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            sources.append((tuple(key.split(".")), (flag_names or {}).get(key, f"the flag of {key}"), True))
-    sources += [(key, f"--config {path}", False) for key in file_keys]
-    return sources
-
-
-def _given_by(sources: KeySources, loc: tuple[str, ...], message: str, section: bool) -> list[str]:
-    """Where a reported key was given: the winning source of the key (or of a key above it: --set
-    train.report_to=[...] for train.report_to.0); for a section's own check (loc is the section), the winning
-    sources of the keys its message names, unless the message names them already (its flags)."""
-    if not section:
-        winning = [where for key, where, _ in sources if loc[: len(key)] == key or key[: len(loc)] == loc]
-        return winning[:1]
-    winning: dict[tuple[str, ...], str] = {}
-    for key, where, _ in sources:
-        if key[: len(loc)] == loc and len(key) > len(loc) and re.search(rf"\b{re.escape(key[-1])}\b", message):
-            winning.setdefault(key, where)
-    return [where for where in dict.fromkeys(winning.values()) if where not in message]
-
-
-def format_validation_error(error: ValidationError, sources: KeySources | None = None) -> str:
-    """One line: each problem with its key, its value, what was expected, and where the value was given."""
-    lines = []
-    for item in error.errors():
-        loc = tuple(str(p) for p in item["loc"])
-        key = ".".join(loc) or "(config)"
-        value = item.get("input")
-        section_check = item["type"] == "value_error" and isinstance(value, dict)
-        given = _given_by(sources or [], loc, item["msg"], section=section_check)
-        origin = f"from {' and '.join(given)}" if given else ""
-        if item["type"] == "extra_forbidden":
-            lines.append(
-                f"unknown config key {key!r} (value {value!r}{', ' + origin if origin else ''}); "
-                f"check the spelling against `docs/configuration.md`"
-            )
-        elif section_check:
-            # a section's own check (model validator): its message names the keys; the section's dict adds nothing
-            lines.append(f"{key}: {item['msg'].removeprefix('Value error, ')}" + (f" ({origin})" if origin else ""))
-        else:
-            lines.append(f"config key {key!r} = {value!r}" + (f" ({origin})" if origin else "") + f": {item['msg']}")
-    return "invalid configuration: " + "; ".join(lines)

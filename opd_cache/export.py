@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from opd_cache.storage import layout
 from opd_cache.storage.damage import DAMAGE_ERRORS, DamagedFiles
 from opd_cache.storage.filestore import AtomicOutput
-from opd_cache.storage.schema import read_shard
+from opd_cache.storage.schema import TARGET_FLAGS, read_shard
 from opd_cache.storage.store import RUN_JSON, RunManifest, Store
 from opd_cache.train.shard_data import load_shard, offsets_of, ragged_index
 
@@ -39,8 +39,12 @@ FORMATS = ("parquet", "arrow")
 MANIFEST = "export.json"
 
 
-def export_schema() -> pa.Schema:
-    """One row per (sample, teacher): what a dataset user needs to train or analyse without opd_cache."""
+def export_schema(target_flags: bool = False) -> pa.Schema:
+    """One row per (sample, teacher): what a dataset user needs to train or analyse without opd_cache.
+
+    `target_flags`: a teacher of another tokenizer (docs/cross-tokenizer.md) adds its flags per position; its
+    `teacher_token_logprob` is then the aligned group's log-prob at the group's last position, 0 elsewhere."""
+    flags = [pa.field(TARGET_FLAGS, pa.list_(pa.uint8()))] if target_flags else []
     return pa.schema(
         [
             pa.field("sample_id", pa.string(), nullable=False),
@@ -62,6 +66,7 @@ def export_schema() -> pa.Schema:
             pa.field("teacher_token_logprob", pa.list_(pa.float32())),  # the teacher's log-prob of each sampled token
             pa.field("teacher_topk_ids", pa.list_(pa.list_(pa.int32()))),  # [tokens][k], best first
             pa.field("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32()))),
+            *flags,
         ]
     )
 
@@ -157,7 +162,9 @@ def teacher_batch(store: Store, run: dict, shard_id: str, teacher: str, tokenize
             data.topk_logprobs.astype(np.float32, copy=False).reshape(-1, top_k), teacher_offsets, pa.float32()
         ),
     ]
-    return pa.RecordBatch.from_arrays(columns, schema=export_schema())
+    if data.target_flags is not None:
+        columns.append(_ragged(data.target_flags, response_offsets, pa.uint8()))
+    return pa.RecordBatch.from_arrays(columns, schema=export_schema(data.target_flags is not None))
 
 
 def resolve_tokenizer(run: RunManifest, tokenizer_path: str | None, store: Store):
@@ -176,9 +183,9 @@ def resolve_tokenizer(run: RunManifest, tokenizer_path: str | None, store: Store
 class _Writer:
     """One teacher's output table, streamed to an `AtomicOutput`: a reader never sees half a file."""
 
-    def __init__(self, output: AtomicOutput, fmt: str):
+    def __init__(self, output: AtomicOutput, fmt: str, target_flags: bool = False):
         self.output, self.fmt = output, fmt
-        schema = export_schema()
+        schema = export_schema(target_flags)
         self.writer = (
             pq.ParquetWriter(output.stream, schema, compression="zstd")
             if fmt == "parquet"
@@ -270,8 +277,9 @@ def export_store(
     )
     writers: dict[str, _Writer] = {}
     try:
+        cross = {r.name for r in store.manifest.teachers() if r.teacher_tokenizer_fingerprint}  # flags columns
         for t in found:
-            writers[t] = _Writer(out.open_atomic_output(f"{t}.{fmt}"), fmt)
+            writers[t] = _Writer(out.open_atomic_output(f"{t}.{fmt}"), fmt, target_flags=t in cross)
         for done, shard in enumerate(shards):
             for t in found:
                 if t not in parts.get(shard.shard_id, ()):

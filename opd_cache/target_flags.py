@@ -20,6 +20,8 @@ and the tools can all read the same constants.
 
 from __future__ import annotations
 
+import numpy as np
+
 TOPK_VALID = 1
 GROUP_END = 2
 EXCLUDED = 4
@@ -37,3 +39,12 @@ def describe_flags(value: int) -> str:
         raise ValueError(f"target_flags value {value} has bits outside {ALL_FLAGS:#x}")
     names = [name for bit, name in _NAMES if int(value) & bit]
     return "|".join(names) or "-"
+
+
+def excluded_rows(flags: np.ndarray, lengths: np.ndarray) -> int:
+    """Rows of a part (flat `flags`, per-row `lengths`) whose positions are EXCLUDED (set at every position of
+    such a row, so its first position tells)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    nonempty = lengths > 0
+    return int(((np.asarray(flags)[starts[nonempty]] & EXCLUDED) != 0).sum())

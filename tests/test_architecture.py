@@ -6,7 +6,7 @@ has to follow, and the cycle it closes comes back the day the annotation is eval
 
 Layers, bottom up. A module imports from its own package and from lower layers, never from a higher one:
 
-    0  core        config, engine, models, tokenizer, vllm_common, target_flags (and the package root, _moved)
+    0  core        config (+ config_sources), engine, models, tokenizer, vllm_common, target_flags (and the package root, _moved)
     1  storage     storage/            the store: layout, atomic files, shards, manifest, retention
     2  libraries   losses/, flow/, observe/, tasks/, and testing.py (synthetic shards, for tests and benchmarks)
     3  stages      rollout/, annotate/, train/, and their peers evaluate.py and export.py
@@ -32,7 +32,7 @@ from tests.conftest import REPO
 PACKAGE = REPO / "opd_cache"
 MAX_LINES = 500
 
-CORE = ("config", "engine", "models", "tokenizer", "vllm_common", "target_flags", "_moved")
+CORE = ("config", "config_sources", "engine", "models", "tokenizer", "vllm_common", "target_flags", "_moved")
 LAYERS = {  # the first name under opd_cache -> layer (CORE modules: 0)
     "storage": 1,
     "losses": 2,

@@ -13,8 +13,10 @@ from opd_cache.storage import layout
 from opd_cache.storage.store import RunManifest, Store
 from opd_cache.tokenizer import check_compatible, load_tokenizer, tokenizer_fingerprint
 
+CROSS_TOKENIZER_HINT = "opd annotate --cross-tokenizer aligns a teacher of another tokenizer: docs/cross-tokenizer.md"
 
-def _student_tokenizer(store: Store, run: RunManifest):
+
+def student_tokenizer(store: Store, run: RunManifest):
     """The run's tokenizer, when it can be loaded here (the student folder, or a published policy)."""
     candidates = []
     if run.student and os.path.isdir(run.student):
@@ -49,14 +51,14 @@ def check_teacher_tokenizer(
     got = tokenizer_fingerprint(teacher_tok)
     # the fingerprint hashes the vocabulary and the special tokens: when it matches, loading the student's
     # tokenizer to compare them token by token would only repeat that work
-    student_tok = _student_tokenizer(store, run) if got != expected else None
+    student_tok = student_tokenizer(store, run) if got != expected else None
     if student_tok is not None:
         # names the first differing token; also refuses tokenizer ids beyond the teacher's embedding
         check_compatible(student_tok, teacher_tok, embedding_size, student_name=student, teacher_name=teacher)
     if expected and got != expected:
         raise ValueError(
             f"teacher {teacher} and student {student} tokenizers differ: the teacher's fingerprint is "
-            f"{got}, the run's (run.json) is {expected}"
+            f"{got}, the run's (run.json) is {expected} ({CROSS_TOKENIZER_HINT})"
         )
     if run.vocab_size is not None and len(teacher_tok) != run.vocab_size:
         raise ValueError(

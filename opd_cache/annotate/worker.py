@@ -44,6 +44,7 @@ import pyarrow.compute as pc
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from opd_cache.annotate.cross_annotate import CrossTokenizerAnnotation, cross_tokenizer_annotation
 from opd_cache.annotate.engines import make_scorer
 from opd_cache.annotate.leases import LeaseBook
 from opd_cache.annotate.selection import ShardSelection, shard_owner
@@ -110,6 +111,8 @@ class Annotator:
     stop: threading.Event  # set: the worker returns after the shard it is scoring
     # 1. agreement with the run: tokenizer, k and routing, checked before any weights load when run.json exists
     vocab_size: int  # the teacher tokenizer's
+    cross: CrossTokenizerAnnotation | None  # a teacher of another tokenizer (cross_annotate.py); None: the same
+    ids_vocab_size: int  # the vocabulary of the rollouts' and the parts' ids: the student's (= vocab_size unless cross)
     top_k: int  # teacher log-probs kept per token: the flag's, else the store's
     routing: Routing | None  # which rows go to which teacher (None: every row to this one)
     # 2. the engine
@@ -151,7 +154,8 @@ class Annotator:
         #    exists; otherwise the teacher loads while rollout creates it, and nothing is scored before the check
         teacher_tok = load_tokenizer(cfg.teacher, trust_remote_code=cfg.trust_remote_code)
         embedding_size = embedding_size_of(cfg.teacher, cfg.trust_remote_code)
-        self.vocab_size = len(teacher_tok)
+        self.vocab_size = self.ids_vocab_size = len(teacher_tok)
+        self.cross = None
         record = self._agree_with_run(run, teacher_tok, embedding_size) if run is not None else None
 
         # 2. the engine. vLLM's is sized by top_k, which an unflagged worker takes from the store: it waits first
@@ -193,7 +197,18 @@ class Annotator:
     def _agree_with_run(self, run: RunManifest, teacher_tok, embedding_size: int | None) -> TeacherRecord:
         """This teacher's record (its k and routing), checked against the run: tokenizer, k and routing."""
         cfg, store = self.cfg, self.store
-        check_teacher_tokenizer(store, run, teacher_tok, cfg.teacher, embedding_size)
+        self.cross = cross_tokenizer_annotation(
+            store,
+            run,
+            teacher_tok,
+            enabled=cfg.cross_tokenizer,
+            topk_rule=cfg.cross_tokenizer_topk,
+            teacher=cfg.teacher,
+        )
+        if self.cross is None:
+            check_teacher_tokenizer(store, run, teacher_tok, cfg.teacher, embedding_size)
+        cross_fields = self.cross.record_fields() if self.cross is not None else {}
+        self.ids_vocab_size = cross_fields.get("vocab_size", self.vocab_size)
         # flags/YAML win; otherwise an existing store keeps its top_k and routing
         given = cfg.model_fields_set
         top_k = cfg.top_k if "top_k" in given or run.top_k is None else run.top_k
@@ -212,7 +227,7 @@ class Annotator:
             tokenizer_fingerprint=tokenizer_fingerprint(teacher_tok),
             vocab_size=self.vocab_size,
             codec=cfg.codec,
-        )
+        ).model_copy(update=cross_fields)  # a cross-tokenizer teacher: the student's fingerprint and vocabulary
         store.manifest.check_teacher(record)
         if record.routing is not None and self.teacher not in record.routing.teachers():
             raise ValueError(
@@ -319,8 +334,13 @@ class Annotator:
             self.console.print(f"[yellow]quarantined[/] {info.path}: {e}", highlight=False, soft_wrap=True)
             return True
 
-        scores = self.scorer.score(tokens.prompts, tokens.responses, self.top_k, tokens.support)
-        scores = keep_trained_positions(scores, rows)  # the whole conversation scored, its trained tokens kept
+        flags = None
+        if self.cross is not None:  # scored in the teacher's tokenization, targets at the student's positions
+            targets = self.cross.score(self.scorer, tokens.prompts, tokens.responses, self.top_k)
+            scores, flags = targets.scores, targets.target_flags
+        else:
+            scores = self.scorer.score(tokens.prompts, tokens.responses, self.top_k, tokens.support)
+            scores = keep_trained_positions(scores, rows)  # the whole conversation scored, its trained tokens kept
         out = annotated_table(
             sample_ids=rows["sample_id"].to_pylist(),
             lengths=scores.lengths,
@@ -329,6 +349,7 @@ class Annotator:
             token_logprob=scores.token_logprob,
             logprob_dtype=self.cfg.dtype,
             support_logprobs=scores.support_logprobs,
+            target_flags=flags,
         )
         out_meta = ShardMeta(
             kind=ANNOTATED,
@@ -342,7 +363,7 @@ class Annotator:
             **engine_fields(self.scorer),
         )
         if self.cfg.codec == "packed":
-            out, codec_meta = encode_annotation(out, self.vocab_size)
+            out, codec_meta = encode_annotation(out, self.ids_vocab_size)
             out_meta.codec, out_meta.codec_id_bits = "packed", int(codec_meta[META_ID_BITS])
         compression = None if self.cfg.compression == "none" else self.cfg.compression
         if lease is not None and (not lease.still_mine() or self.store.exists(part)):
@@ -368,6 +389,7 @@ class Annotator:
                 "seconds": round(seconds, 4),
                 "tokens_per_s": round(scores.num_tokens / max(seconds, 1e-9), 1),
                 "backlog": backlog,
+                **({"alignment": targets.stats.summary()} if self.cross is not None else {}),
             }
         )
         return True
@@ -395,7 +417,11 @@ class Annotator:
     def _token_arrays(self, rows: pa.Table, info: ShardInfo) -> TokenArrays:
         """Per-row id arrays of the prompts, responses and (union support) the student's top-k ids."""
         support = False
-        if "student_topk_ids" in rows.schema.names:
+        if self.cross is not None and "loss_mask" in rows.schema.names and rows["loss_mask"].null_count < rows.num_rows:
+            raise ValueError(
+                f"{self.store.path(info.path)}: cross-tokenizer annotation of multi-turn rows is not supported yet"
+            )
+        if "student_topk_ids" in rows.schema.names and self.cross is None:
             support = self.union_support
             if not support and not self._warned_no_support:
                 self._warned_no_support = True
@@ -415,11 +441,11 @@ class Annotator:
     def _row_ids(self, rows: pa.Table, name: str, info: ShardInfo) -> list[np.ndarray]:
         """Column `name` as one id array per row (views into the Arrow buffers), every id in the vocabulary."""
         flat = flat_values(rows[name])
-        if flat.size and (flat.min() < 0 or flat.max() >= self.vocab_size):
-            bad = int(flat.max()) if flat.max() >= self.vocab_size else int(flat.min())
+        if flat.size and (flat.min() < 0 or flat.max() >= self.ids_vocab_size):
+            bad = int(flat.max()) if flat.max() >= self.ids_vocab_size else int(flat.min())
             raise ShardError(
                 f"{self.store.path(info.path)}: column {name!r} holds token id {bad}, outside the "
-                f"vocabulary 0..{self.vocab_size - 1}"
+                f"vocabulary 0..{self.ids_vocab_size - 1}"
             )
         boundaries = np.cumsum(list_lengths(rows[name]))[:-1]
         return np.split(flat, boundaries) if rows.num_rows else []

@@ -18,10 +18,13 @@ from opd_cache.storage.schema import (
     META_ENGINE_VERSION,
     META_MODEL_DTYPE,
     ROLLOUT,
+    TARGET_FLAGS,
+    flat_values,
     list_lengths,
     read_shard,
 )
 from opd_cache.storage.store import Store, parse_shard_id
+from opd_cache.target_flags import EXCLUDED, GROUP_END, TOPK_VALID, describe_flags, excluded_rows
 
 
 def open_shard(shard: str) -> tuple[Store, str, pa.Table, object]:
@@ -72,7 +75,21 @@ def describe_shard(shard: str) -> dict:
     else:
         positions = list_lengths(table["teacher_token_logprob"])
         info["response_tokens"] = int(positions.sum())
+        if TARGET_FLAGS in table.schema.names:  # a teacher of another tokenizer (docs/cross-tokenizer.md)
+            info["cross_tokenizer"] = flag_summary(flat_values(table[TARGET_FLAGS]), positions)
     return info
+
+
+def flag_summary(flags: np.ndarray, lengths: np.ndarray) -> dict:
+    """What a cross-tokenizer part's target_flags say: shares of positions with each term, groups, excluded rows."""
+    kept = (flags & EXCLUDED) == 0
+    n = max(int(kept.sum()), 1)
+    return {
+        "topk_valid_share": round(float(((flags & TOPK_VALID) != 0).sum()) / n, 4),
+        "groups": int(((flags & GROUP_END) != 0).sum()),
+        "student_tokens_per_group": round(n / max(int(((flags & GROUP_END) != 0).sum()), 1), 3),
+        "excluded_rows": excluded_rows(flags, lengths),
+    }
 
 
 def schema_metadata(table: pa.Table) -> dict[str, str]:
@@ -319,7 +336,7 @@ def inspect_command(
     for key, value in info["schema_metadata"].items():
         console.print(f"  {key:28s} {value}", highlight=False)
     console.print(f"  {'rows':28s} {info['rows']}")
-    for key in ("prompt_tokens", "response_tokens", "response_tokens_mean", "finish_reasons"):
+    for key in ("prompt_tokens", "response_tokens", "response_tokens_mean", "finish_reasons", "cross_tokenizer"):
         if key in info:
             console.print(f"  {key:28s} {info[key]}")
     if row is None:
@@ -388,12 +405,28 @@ def print_token_view(row: dict, part: tuple[str, pa.Table], tokenizer) -> None:
         console.print(f"  (teacher {name} did not annotate this sample: it is routed to another teacher)")
         return
     ann = table.slice(ids.index(row["sample_id"]), 1).to_pylist()[0]
+    flags = ann.get(TARGET_FLAGS)  # cross-tokenizer: a group's student and teacher log-probs at its last position
     view = Table(title=f"per-token view, teacher {name!r} (gap = teacher − student log-prob)", show_lines=False)
-    for col in ("t", "token", "student", "teacher", "gap", "teacher's top alternatives"):
-        view.add_column(col, justify="left" if col in ("token", "teacher's top alternatives") else "right")
+    columns = ("t", "token", "student", "teacher", "gap", "teacher's top alternatives")
+    if flags is not None:
+        columns = ("t", "token", "flags", "group text", "student", "teacher", "gap", "teacher's top alternatives")
+    for col in columns:
+        view.add_column(
+            col, justify="left" if col in ("token", "group text", "teacher's top alternatives") else "right"
+        )
     decode = (lambda i: repr(tokenizer.decode([i]))) if tokenizer is not None else str
+    group_start = 0
     for t, token in enumerate(row["response_ids"]):
         s, p = row["behavior_logprobs"][t], ann["teacher_token_logprob"][t]
+        cross = []
+        if flags is not None:
+            ends = bool(flags[t] & (GROUP_END | EXCLUDED))
+            span = row["response_ids"][group_start : t + 1]
+            s = float(np.sum(row["behavior_logprobs"][group_start : t + 1])) if ends else float("nan")
+            p = float("nan") if flags[t] & EXCLUDED else p  # a row the alignment refused: no teacher target
+            text = (repr(tokenizer.decode(span)) if tokenizer is not None else str(span)) if ends else ""
+            cross = [describe_flags(flags[t]), text]
+            group_start = t + 1 if ends else group_start
         gap = p - s
         colour = "green" if gap > -0.5 else "yellow" if gap > -2.0 else "red"
         alternatives = ", ".join(
@@ -401,6 +434,12 @@ def print_token_view(row: dict, part: tuple[str, pa.Table], tokenizer) -> None:
             for i, lp in zip(ann["teacher_topk_ids"][t][:3], ann["teacher_topk_logprobs"][t][:3])
         )
         view.add_row(
-            str(t), f"[{colour}]{decode(token)}[/]", f"{s:.3f}", f"{p:.3f}", f"[{colour}]{gap:+.3f}[/]", alternatives
+            str(t),
+            f"[{colour}]{decode(token)}[/]",
+            *cross,
+            f"{s:.3f}",
+            f"{p:.3f}",
+            f"[{colour}]{gap:+.3f}[/]",
+            alternatives,
         )
     console.print(view)

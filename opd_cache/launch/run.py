@@ -120,16 +120,19 @@ def stage_commands(cfg: Config, config_path: Path, logs: Path) -> list[StageProc
     stages.append(StageProcess("train", [*cli, "train", *common, "--follow"], logs / "train.log"))
     if cfg.run.evaluate and cfg.eval.prompts:
         teacher = cfg.eval.teacher or next(iter(teachers.values()))
+        if cfg.annotate.cross_tokenizer and not cfg.eval.teacher:
+            teacher = None  # the evaluator's KL is per token: across tokenizers it reports accuracy only
         stages.append(StageProcess("eval", eval_command(cfg, config_path, teacher), logs / "eval.log"))
     return stages
 
 
-def eval_command(cfg: Config, config_path: Path, teacher: str | os.PathLike) -> list[str]:
+def eval_command(cfg: Config, config_path: Path, teacher: str | os.PathLike | None) -> list[str]:
     """The evaluator of a run: every `run.eval_every`-th published version of the store, until train/DONE."""
     return [
         *[sys.executable, "-m", "opd_cache.cli", "eval", "--model", cfg.store.uri],
         *["--follow", "--every", str(cfg.run.eval_every)],
-        *["--config", str(config_path), "--teacher", str(teacher)],
+        *["--config", str(config_path)],
+        *(["--teacher", str(teacher)] if teacher is not None else []),
     ]
 
 

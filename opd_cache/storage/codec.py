@@ -14,7 +14,12 @@ share one list offsets buffer:
           or log_range   float32                           L itself (a row spans more than 1e6 nats)
         mass_code    int16                                 logit of the top-k mass in steps of 2**-8
         token_code   uint16                                -log p of the sampled token in steps of 2**-9
+        target_flags uint8                                 cross-tokenizer parts only (opd_cache/target_flags.py)
     >>
+
+A cross-tokenizer part (a teacher with another tokenizer, docs/cross-tokenizer.md) adds the `target_flags`
+child; its `token_code` holds the aligned group's log-prob at the group's end (0 elsewhere), in the same steps:
+a group less likely than e**-128 (p < 1e-55) is stored as that bound, like a sampled token.
 
 Each part makes its own choices, and its schema records them: the bitmap when it
 is smaller (ceil(V/8) < ceil(k*b/8) bytes: V = 99, k = 64 takes 13 bytes instead
@@ -51,6 +56,7 @@ import numpy as np
 import pyarrow as pa
 
 from opd_cache.storage.columns import (
+    TARGET_FLAGS,
     annotated_schema,
     flat_values,
     list_lengths,
@@ -121,12 +127,18 @@ def _fixed_binary(rows: np.ndarray) -> pa.FixedSizeBinaryArray:
 
 
 def packed_fields(
-    top_k: int, bits: int, *, vocab_size: int = 0, range_levels: bool = True, order: str | None = None
+    top_k: int,
+    bits: int,
+    *,
+    vocab_size: int = 0,
+    range_levels: bool = True,
+    order: str | None = None,
+    target_flags: bool = False,
 ) -> list[pa.Field]:
     """The columns of a version-3 packed part (an optional `teacher_support_logprobs` comes after them): the
     per-token struct with ids as a bitmap (vocab_size > 0) or packed, ranges as levels or float32, the mass and
     the sampled token's log-prob as opd_cache/storage/quantize.py codes; `order` ("id" or "rank") goes in the codes'
-    metadata."""
+    metadata; `target_flags` adds the cross-tokenizer flags child."""
     if vocab_size:
         ids = pa.field(
             IDS_BITMAP,
@@ -146,6 +158,7 @@ def packed_fields(
             pa.field(*rng, nullable=False),
             pa.field("mass_code", pa.int16(), nullable=False),
             pa.field("token_code", pa.uint16(), nullable=False),
+            *([pa.field(TARGET_FLAGS, pa.uint8(), nullable=False)] if target_flags else []),
         ]
     )
     return [pa.field("sample_id", pa.string(), nullable=False), pa.field(PACKED, pa.list_(struct), nullable=False)]
@@ -179,7 +192,10 @@ def encode_annotation(table: pa.Table, vocab_size: int) -> tuple[pa.Table, dict[
         ]
         order, id_rows, codes = min(candidates, key=lambda c: _zstd_size(c[1]) + _zstd_size(c[2]))
     range_levels = bool(on_grid.all())
-    fields = packed_fields(k, bits, vocab_size=vocab_size if use_bitmap else 0, range_levels=range_levels, order=order)
+    flags = TARGET_FLAGS in table.schema.names
+    fields = packed_fields(
+        k, bits, vocab_size=vocab_size if use_bitmap else 0, range_levels=range_levels, order=order, target_flags=flags
+    )
     struct = fields[1].type.value_type
     children = [
         _fixed_binary(id_rows),
@@ -188,6 +204,8 @@ def encode_annotation(table: pa.Table, vocab_size: int) -> tuple[pa.Table, dict[
         pa.array(quantize_mass(log_mass)),
         pa.array(quantize_token_logprob(flat_values(table["teacher_token_logprob"]))),
     ]
+    if flags:
+        children.append(pa.array(flat_values(table[TARGET_FLAGS]).astype(np.uint8, copy=False)))
     per_token = pa.StructArray.from_arrays(children, fields=list(struct))
     columns = [
         table["sample_id"],
@@ -238,10 +256,20 @@ def _expected_fields(table: pa.Table, top_k: int, bits: int, version: int, where
             raise CodecError(f"{where}: packed part (codec version {version}) has no list<struct> column {PACKED!r}")
         names = [f.name for f in struct]
         vocab = _vocab_of(struct.field(IDS_BITMAP), bits, where) if IDS_BITMAP in names else 0
-        return packed_fields(top_k, bits, vocab_size=vocab, range_levels="log_range" not in names)
+        return packed_fields(
+            top_k, bits, vocab_size=vocab, range_levels="log_range" not in names, target_flags=TARGET_FLAGS in names
+        )
     names = table.schema.names
     vocab = _vocab_of(table.schema.field(LEGACY_IDS_BITMAP), bits, where) if LEGACY_IDS_BITMAP in names else 0
     return _legacy_fields(top_k, bits, vocab_size=vocab, range_levels="teacher_topk_log_range" not in names)
+
+
+def packed_has_flags(table: pa.Table) -> bool:
+    """Whether a packed part (any codec version) carries cross-tokenizer `target_flags`."""
+    if PACKED not in table.schema.names:
+        return False
+    struct = table.schema.field(PACKED).type.value_type
+    return pa.types.is_struct(struct) and struct.get_field_index(TARGET_FLAGS) >= 0
 
 
 def _legacy_fields(top_k: int, bits: int, *, vocab_size: int, range_levels: bool) -> list[pa.Field]:
@@ -316,6 +344,7 @@ class _Stored(NamedTuple):
     log_range: np.ndarray | None
     token_logprob: pa.Array  # list<float32>, the plain column
     gap_scale: float
+    target_flags: pa.Array | None = None  # list<uint8>, cross-tokenizer parts
 
 
 def _stored_fields(table: pa.Table, top_k: int, version: int) -> _Stored:
@@ -337,6 +366,11 @@ def _stored_fields(table: pa.Table, top_k: int, version: int) -> _Stored:
             log_range=child["log_range"].to_numpy(zero_copy_only=False) if "log_range" in child else None,
             token_logprob=ragged(token_lp, lengths, pa.float32()),
             gap_scale=GAP_SCALE,
+            target_flags=(
+                ragged(child[TARGET_FLAGS].to_numpy(zero_copy_only=False), lengths, pa.uint8())
+                if TARGET_FLAGS in child
+                else None
+            ),
         )
     names = table.schema.names
     bitmap = LEGACY_IDS_BITMAP in names
@@ -413,5 +447,8 @@ def decode_annotation(
     if "teacher_support_logprobs" in table.schema.names:
         columns["teacher_support_logprobs"] = table["teacher_support_logprobs"]
         support_k = table.schema.field("teacher_support_logprobs").type.value_type.list_size
-    schema = annotated_schema(top_k, "float32", support_k).with_metadata(table.schema.metadata)
+    if stored.target_flags is not None:
+        columns[TARGET_FLAGS] = stored.target_flags
+    schema = annotated_schema(top_k, "float32", support_k, target_flags=stored.target_flags is not None)
+    schema = schema.with_metadata(table.schema.metadata)
     return pa.table(columns, schema=schema)

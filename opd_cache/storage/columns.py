@@ -7,7 +7,8 @@ dense `[total_tokens, k]` array without any per-row work.
 Schema version 2 adds two optional per-response-token columns to rollout shards, for multi-turn rows (a
 conversation rendered into one token sequence, docs/design.md §3 "Schema version 2"): `loss_mask` (uint8, 1 = a
 token the student sampled in an assistant turn) and `turn_index` (int16, the message the token belongs to).
-Both or neither; a null entry is a single-turn row (every response position trained).
+Both or neither; a null entry is a single-turn row (every response position trained). Annotated parts of a
+teacher with another tokenizer add `target_flags` (uint8 per trained position, opd_cache/target_flags.py).
 
 opd_cache/storage/codec.py (the packed annotation columns) and opd_cache/storage/schema.py (shard
 metadata, reading, writing, validation) both build on this module; it imports neither.
@@ -18,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from opd_cache.target_flags import ALL_FLAGS
 
 try:
     # pyarrow's C++ converter (every to_numpy below) imports pandas on its first call and drops any exception
@@ -35,6 +38,7 @@ class ShardError(ValueError):
 LOSS_MASK = "loss_mask"
 TURN_INDEX = "turn_index"
 MULTI_TURN_COLUMNS = (LOSS_MASK, TURN_INDEX)
+TARGET_FLAGS = "target_flags"  # cross-tokenizer annotated parts (schema version 2)
 
 
 def rollout_schema(student_topk: int = 0, multi_turn: bool = False) -> pa.Schema:
@@ -59,7 +63,10 @@ def rollout_schema(student_topk: int = 0, multi_turn: bool = False) -> pa.Schema
     return pa.schema(fields)
 
 
-def annotated_schema(top_k: int, logprob_dtype: str = "float32", support_k: int = 0) -> pa.Schema:
+def annotated_schema(
+    top_k: int, logprob_dtype: str = "float32", support_k: int = 0, target_flags: bool = False
+) -> pa.Schema:
+    """An annotated part's columns; `target_flags` adds the cross-tokenizer flags column (schema version 2)."""
     value_type = {"float16": pa.float16(), "float32": pa.float32()}.get(logprob_dtype)
     if value_type is None:
         raise ValueError(f"logprob dtype {logprob_dtype!r} is not supported: use float16 or float32")
@@ -71,7 +78,21 @@ def annotated_schema(top_k: int, logprob_dtype: str = "float32", support_k: int 
     ]
     if support_k:
         fields.append(pa.field("teacher_support_logprobs", pa.list_(pa.list_(pa.float32(), support_k))))
+    if target_flags:
+        fields.append(pa.field(TARGET_FLAGS, pa.list_(pa.uint8()), nullable=False))
     return pa.schema(fields)
+
+
+def check_target_flags(table: pa.Table, where: str) -> None:
+    """Flag values use only the known bits (opd_cache/target_flags.py), vectorised over the column."""
+    flags = flat_values(table[TARGET_FLAGS])
+    bad = np.nonzero(flags & ~np.uint8(ALL_FLAGS))[0]
+    if len(bad):
+        row = int(np.searchsorted(np.cumsum(list_lengths(table[TARGET_FLAGS])), int(bad[0]), side="right"))
+        raise ShardError(
+            f"{where}: row {row} (sample {table['sample_id'][row].as_py()!r}) has target_flags value "
+            f"{int(flags[bad[0]])}, outside the known bits {ALL_FLAGS:#x}"
+        )
 
 
 def check_multi_turn(table: pa.Table, where: str) -> None:

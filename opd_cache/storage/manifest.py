@@ -80,6 +80,12 @@ class TeacherRecord(_Record):
     vocab_size: int | None = None
     codec: str | None = None  # the annotation codec of the worker that registered it (each part names its own)
     registered: str | None = None
+    # a teacher of another tokenizer (docs/cross-tokenizer.md): tokenizer_fingerprint and vocab_size stay the
+    # student's (the stored ids are student ids); these name the teacher's tokenizer, the map and the top-k rule
+    teacher_tokenizer_fingerprint: str | None = None
+    vocab_map_fingerprint: str | None = None
+    vocab_map_size: int | None = None
+    cross_tokenizer_topk: str | None = None
 
     @field_validator("name")
     @classmethod
@@ -87,7 +93,15 @@ class TeacherRecord(_Record):
         return validate_name("teacher name", value)
 
     # what a second registration of the same teacher must repeat (the others describe the first one)
-    CHECKED: ClassVar[tuple[str, ...]] = ("model", "top_k", "routing", "tokenizer_fingerprint", "vocab_size")
+    CHECKED: ClassVar[tuple[str, ...]] = (
+        "model",
+        "top_k",
+        "routing",
+        "tokenizer_fingerprint",
+        "vocab_size",
+        "vocab_map_fingerprint",
+        "cross_tokenizer_topk",
+    )
 
 
 class RunManifest(_Record):

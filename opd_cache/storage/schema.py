@@ -8,8 +8,9 @@ The columns themselves (their Arrow types, building and reading them as numpy) a
 opd_cache/storage/columns.py; this module re-exports the ones other modules import from here (`__all__`).
 
 Schema versions: writers stamp SCHEMA_VERSION (2); readers accept every version in READABLE_SCHEMA_VERSIONS.
-Version 2 adds the optional multi-turn columns of rollout shards (`loss_mask`, `turn_index`); a version-1
-shard never holds them, so one that does is refused rather than read with a meaning it never had.
+Version 2 adds the optional multi-turn columns of rollout shards (`loss_mask`, `turn_index`) and the
+cross-tokenizer `target_flags` of annotated parts; a version-1 shard never holds them, so one that does is refused
+rather than read with a meaning it never had.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from opd_cache.storage import codec, integrity
 from opd_cache.storage.columns import (
     LOSS_MASK,
     MULTI_TURN_COLUMNS,
+    TARGET_FLAGS,
     TURN_INDEX,
     ShardError,
     annotated_schema,
     check_multi_turn,
+    check_target_flags,
     flat_values,
     list_lengths,
     ragged,
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = [  # the names other modules import from here that live in columns.py and layout.py
     "LOSS_MASK",
     "SCHEMA_VERSION",
+    "TARGET_FLAGS",
     "TURN_INDEX",
     "ShardError",
     "annotated_schema",
@@ -60,6 +64,7 @@ __all__ = [  # the names other modules import from here that live in columns.py 
 
 READABLE_SCHEMA_VERSIONS = (1, 2)  # 2 = SCHEMA_VERSION, what this opd_cache writes
 MULTI_TURN_SINCE = 2  # the first schema version whose rollout shards may hold loss_mask / turn_index
+CROSS_TOKENIZER_SINCE = 2  # ... whose annotated parts may hold target_flags
 
 ROLLOUT = "rollout"
 ANNOTATED = "annotated"
@@ -261,6 +266,7 @@ def validate_table(table: pa.Table, meta: ShardMeta, where: str) -> None:
             codec.check_packed(table, meta.top_k, meta.codec_id_bits, where, meta.packed_version)
             reference = codec.PACKED if codec.PACKED in table.schema.names else "teacher_token_logprob"
             _check_same_lengths(table, reference, [*codec.PACKED_COLUMNS, "teacher_support_logprobs"], where)
+            _check_version_of(table, meta, codec.packed_has_flags(table), where)
             return
         lp_type = (
             table.schema.field("teacher_topk_logprobs").type if "teacher_topk_logprobs" in table.schema.names else None
@@ -269,7 +275,8 @@ def validate_table(table: pa.Table, meta: ShardMeta, where: str) -> None:
         support_k = 0
         if "teacher_support_logprobs" in table.schema.names:
             support_k = table.schema.field("teacher_support_logprobs").type.value_type.list_size
-        expected = annotated_schema(meta.top_k, dtype, support_k)
+        flags = _check_version_of(table, meta, TARGET_FLAGS in table.schema.names, where)
+        expected = annotated_schema(meta.top_k, dtype, support_k, target_flags=flags)
     else:
         raise ShardError(f"{where}: unknown shard kind {meta.kind!r}")
 
@@ -291,9 +298,21 @@ def validate_table(table: pa.Table, meta: ShardMeta, where: str) -> None:
         _check_same_lengths(
             table,
             "teacher_token_logprob",
-            ["teacher_topk_ids", "teacher_topk_logprobs", "teacher_support_logprobs"],
+            ["teacher_topk_ids", "teacher_topk_logprobs", "teacher_support_logprobs", TARGET_FLAGS],
             where,
         )
+        if TARGET_FLAGS in table.schema.names:
+            check_target_flags(table, where)
+
+
+def _check_version_of(table: pa.Table, meta: ShardMeta, has_flags: bool, where: str) -> bool:
+    """A part with `target_flags` (cross-tokenizer targets) must be schema version 2 or later."""
+    if has_flags and meta.schema_version < CROSS_TOKENIZER_SINCE:
+        raise ShardError(
+            f"{where}: schema version {meta.schema_version} part with column {TARGET_FLAGS!r}, which only version "
+            f"{CROSS_TOKENIZER_SINCE} and later have"
+        )
+    return has_flags
 
 
 def _has_multi_turn_columns(table: pa.Table, meta: ShardMeta, where: str) -> bool:
@@ -439,11 +458,13 @@ def annotated_table(
     token_logprob: np.ndarray,
     logprob_dtype: str = "float32",
     support_logprobs: np.ndarray | None = None,
+    target_flags: np.ndarray | None = None,
 ) -> pa.Table:
-    """An annotated part from flat `[total_tokens, k]` arrays and per-row response lengths."""
+    """An annotated part from flat `[total_tokens, k]` arrays and per-row response lengths (`target_flags`:
+    `[total_tokens]` uint8, the cross-tokenizer flags)."""
     k = topk_ids.shape[1]
     support_k = support_logprobs.shape[1] if support_logprobs is not None else 0
-    schema = annotated_schema(k, logprob_dtype, support_k)
+    schema = annotated_schema(k, logprob_dtype, support_k, target_flags=target_flags is not None)
     lp_type = schema.field("teacher_topk_logprobs").type.value_type.value_type
     columns = {
         "sample_id": pa.array(list(sample_ids), pa.string()),
@@ -457,6 +478,8 @@ def annotated_table(
         columns["teacher_support_logprobs"] = ragged_fixed(
             support_logprobs.astype(np.float32, copy=False), lengths, pa.float32()
         )
+    if target_flags is not None:
+        columns[TARGET_FLAGS] = ragged(target_flags.astype(np.uint8, copy=False), lengths, pa.uint8())
     return pa.table(columns, schema=schema)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from opd_cache.losses import aggregation_weights
+from opd_cache.target_flags import SAME_TOKENIZER
 from opd_cache.train.shard_data import ShardCache, offsets_of, ragged_index
 
 
@@ -40,6 +41,7 @@ class MicroBatch:
     support_ids: torch.Tensor | None = None  # [N, k_s] int32, the behavior policy's top-k (union support)
     support_logprobs: torch.Tensor | None = None  # [N, k_s] float32, the teacher's log-probs there
     advantages: torch.Tensor | None = None  # [N] float32, task-reward advantage of the token's row
+    target_flags: torch.Tensor | None = None  # [N] uint8, cross-tokenizer parts (opd_cache/target_flags.py)
     num_rows: int = 0
 
     @property
@@ -108,8 +110,10 @@ def decode_rows(
             "token_lp",
             "support_ids",
             "support_lp",
+            "flags",
         )
     }
+    any_flags = any(cache.get(shard_ids[int(s)]).target_flags is not None for s in np.unique(row_shard))
     for s in np.unique(row_shard):
         data = cache.get(shard_ids[int(s)])
         rows = row_index[row_shard == s]
@@ -132,6 +136,11 @@ def decode_rows(
         if data.support_logprobs is not None:
             pieces["support_ids"].append(data.student_topk_ids[tokens])
             pieces["support_lp"].append(data.support_logprobs[teacher_rows])
+        if any_flags:  # cross-tokenizer parts; a same-tokenizer shard among them is SAME_TOKENIZER everywhere
+            flags = data.target_flags
+            pieces["flags"].append(
+                flags[teacher_rows] if flags is not None else np.full(len(tokens), SAME_TOKENIZER, dtype=np.uint8)
+            )
     cat = {k: (v[0] if len(v) == 1 else np.concatenate(v)) if v else None for k, v in pieces.items()}
 
     prompt_len, response_len = cat["prompt_len"], cat["response_len"]
@@ -180,5 +189,6 @@ def decode_rows(
             if advantages is not None
             else None
         ),
+        target_flags=torch.from_numpy(cat["flags"]) if cat["flags"] is not None else None,
         num_rows=n_rows,
     )

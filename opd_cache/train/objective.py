@@ -35,7 +35,13 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from opd_cache.losses import POLICY_GRADIENT, LossConfig, fused_token_losses
+from opd_cache.losses import (
+    POLICY_GRADIENT,
+    LossConfig,
+    SpanTermConfig,
+    fused_cross_tokenizer_losses,
+    fused_token_losses,
+)
 from opd_cache.train.microbatch import MicroBatch
 
 
@@ -57,10 +63,11 @@ def sampled_token_logprobs(
 class DistillationObjective(nn.Module):
     """forward(micro_batch) -> (loss, per-token distillation loss, diagnostics)."""
 
-    def __init__(self, model: nn.Module, config: LossConfig):
+    def __init__(self, model: nn.Module, config: LossConfig, span: SpanTermConfig | None = None):
         super().__init__()
         self.model = model  # a transformers causal LM
         self.config = config
+        self.span = span or SpanTermConfig()  # the span term of cross-tokenizer micro-batches (target_flags)
         # The GRPO task loss is policy-gradient OPD with the same clip range and importance cap.
         self.task_config = replace(config, divergence=POLICY_GRADIENT) if config.task_reward_weight > 0 else None
 
@@ -87,20 +94,36 @@ class DistillationObjective(nn.Module):
                 "importance_weight": is_weight[trained].mean(),
                 "importance_clipped": (ratio[trained] > config.importance_cap).float().mean(),
             }
-        loss, per_token, diagnostics = fused_token_losses(
-            hidden,
-            weight,
-            mb.teacher_topk_ids,
-            mb.teacher_topk_logprobs,
-            token_weights,
-            config,
-            sampled_ids=mb.sampled_ids,
-            teacher_token_logprobs=mb.teacher_token_logprobs,
-            support_ids=mb.support_ids,
-            support_teacher_logprobs=mb.support_logprobs,
-            behavior_logprobs=mb.behavior_logprobs if config.policy_gradient else None,
-            return_diagnostics=True,
-        )
+        if mb.target_flags is not None:  # a teacher of another tokenizer: top-k where valid, span terms elsewhere
+            loss, per_token, diagnostics = fused_cross_tokenizer_losses(
+                hidden,
+                weight,
+                mb.teacher_topk_ids,
+                mb.teacher_topk_logprobs,
+                token_weights,
+                config,
+                target_flags=mb.target_flags,
+                sampled_ids=mb.sampled_ids,
+                teacher_token_logprobs=mb.teacher_token_logprobs,
+                behavior_logprobs=mb.behavior_logprobs if config.policy_gradient else None,
+                span=self.span,
+                return_diagnostics=True,
+            )
+        else:
+            loss, per_token, diagnostics = fused_token_losses(
+                hidden,
+                weight,
+                mb.teacher_topk_ids,
+                mb.teacher_topk_logprobs,
+                token_weights,
+                config,
+                sampled_ids=mb.sampled_ids,
+                teacher_token_logprobs=mb.teacher_token_logprobs,
+                support_ids=mb.support_ids,
+                support_teacher_logprobs=mb.support_logprobs,
+                behavior_logprobs=mb.behavior_logprobs if config.policy_gradient else None,
+                return_diagnostics=True,
+            )
         diagnostics = dict(diagnostics, **importance)
         if self.task_config is not None:
             task_loss, task_per_token = fused_token_losses(

@@ -28,6 +28,7 @@ from opd_cache.storage.manifest import RunManifest, as_manifest
 from opd_cache.storage.schema import (
     ANNOTATED,
     ROLLOUT,
+    TARGET_FLAGS,
     ShardError,
     check_annotation_matches,
     flat_values,
@@ -36,6 +37,7 @@ from opd_cache.storage.schema import (
     trained_mask,
 )
 from opd_cache.storage.store import Store, parse_shard_id
+from opd_cache.target_flags import SAME_TOKENIZER
 
 
 def required_teachers(run: RunManifest | dict) -> list[str]:
@@ -87,6 +89,8 @@ class ShardData:
     support_logprobs: np.ndarray | None  # [T', k_s] float32
     teacher_token_index: np.ndarray | None
     trained: np.ndarray | None = None  # [T] bool, the tokens with a loss; None: every token (single-turn rows)
+    # [T'] uint8, cross-tokenizer target flags (opd_cache/target_flags.py); None when no part has the column
+    target_flags: np.ndarray | None = None
 
     prompt_lengths: np.ndarray | None = None  # [rows] int64, derived from the offsets
     response_lengths: np.ndarray | None = None
@@ -164,6 +168,7 @@ def load_shard(
         topk_ids, topk_lp = column(table, "teacher_topk_ids"), column(table, "teacher_topk_logprobs")
         token_lp, support_lp = column(table, "teacher_token_logprob"), column(table, "teacher_support_logprobs")
         index = None
+        flags = column(table, TARGET_FLAGS)
     else:
         # Several parts (or a partial one, or masked rows): concatenate them once and map the trained rollout
         # tokens to their rows.
@@ -171,6 +176,7 @@ def load_shard(
         topk_lp = _concat([column(t, "teacher_topk_logprobs").astype(np.float32, copy=False) for _, t, _ in parts])
         token_lp = _concat([column(t, "teacher_token_logprob") for _, t, _ in parts])
         support_lp = _concat([column(t, "teacher_support_logprobs") for _, t, _ in parts]) if need_support else None
+        flags = part_target_flags([t for _, t, _ in parts])
         index = np.full(total, -1, dtype=np.int64)
         base = 0
         for rows in part_rows:
@@ -201,6 +207,22 @@ def load_shard(
         support_logprobs=support_lp,
         teacher_token_index=index,
         trained=None if all_trained else trained,
+        target_flags=flags,
+    )
+
+
+def part_target_flags(tables: list[pa.Table]) -> np.ndarray | None:
+    """The parts' target flags, concatenated; a same-tokenizer part among cross-tokenizer ones counts as
+    SAME_TOKENIZER at every position. None when no part has the column."""
+    if not any(TARGET_FLAGS in t.schema.names for t in tables):
+        return None
+    return _concat(
+        [
+            flat_values(t[TARGET_FLAGS])
+            if TARGET_FLAGS in t.schema.names
+            else np.full(int(list_lengths(t["teacher_token_logprob"]).sum()), SAME_TOKENIZER, dtype=np.uint8)
+            for t in tables
+        ]
     )
 
 

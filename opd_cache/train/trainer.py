@@ -32,7 +32,7 @@ from rich.console import Console
 
 from opd_cache.config import Config, TrainConfig
 from opd_cache.flow.demand import samples_needed_total
-from opd_cache.losses import LOSSES, POLICY_GRADIENT, LossConfig
+from opd_cache.losses import LOSSES, POLICY_GRADIENT, LossConfig, SpanTermConfig
 from opd_cache.observe.tracking import check_trackers
 from opd_cache.storage import layout
 from opd_cache.storage.store import RUN_JSON, RunManifest, Store
@@ -226,7 +226,8 @@ class Trainer:
         """The student wrapped with its loss, on the device; sharded with FSDP2 under torchrun."""
         if self.cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        objective = DistillationObjective(model, self.loss_config)
+        span = SpanTermConfig(weight=self.cfg.span_weight, estimator=self.cfg.span_estimator)  # cross-tokenizer parts
+        objective = DistillationObjective(model, self.loss_config, span)
         objective.to(self.env.device)
         if self.env.distributed:
             from opd_cache.train.fsdp import apply_fsdp

@@ -271,6 +271,7 @@ def _ranges(values: list[int], shown: int = 8) -> str:
 def inspect_command(
     shard: str = typer.Argument(
         ...,
+        metavar="STORE|SHARD",
         help="Path or URI of a rollout or annotated shard (.arrow), or of a store "
         "(a folder with run.json) for a summary of the whole cache.",
     ),

@@ -12,7 +12,7 @@ the actor dies with its child (a non-zero exit ends the actor), so for Ray "the 
 - the trainer is `ray.train_world_size` rank actors in one placement group (a torchrun equivalent: RANK,
   WORLD_SIZE, MASTER_ADDR/PORT for FSDP2; each rank sees only its own GPUs, so LOCAL_RANK is 0). A dead rank
   takes its peers down, so the launcher restarts the whole group (it resumes from its newest state);
-- `opd scale --store S --annotate N --rollout M` writes `launch/scale.json`; the launcher reads it every
+- `opd scale S --annotate-workers N --rollout-workers M` writes `launch/scale.json`; the launcher reads it every
   `ray.scale_poll_seconds` and adds or removes workers while the run goes on. A removed worker is stopped as by
   Ctrl-C (`retire`): rollout flushes its rows, annotate releases its shard lease (annotate/leases.py), which
   another worker takes at once; one that does not stop within RETIRE_SECONDS is killed, and its lease expires.

@@ -148,3 +148,39 @@ def test_a_store_no_opd_run_recorded_is_compared_on_its_student(tmp_path):
 def test_the_example_config_has_its_own_store():
     example = yaml.safe_load((REPO / "examples/arithmetic_cpu/config.yaml").read_text())
     assert example["store"]["uri"] == "runs/arithmetic/store"  # not the demo's runs/demo/store
+
+
+def test_opd_run_says_where_the_store_and_the_logs_are(tmp_path, monkeypatch):
+    import opd_cache.launch.run as local_launcher
+
+    started = []
+    monkeypatch.setattr(local_launcher, "supervise", lambda cfg, path, logs, quiet: started.append(logs) or 0)
+    config = write_config(tmp_path, tiny_run_config(str(tmp_path / "store"), steps=4, batch=16))
+    out = opd("run", "--config", str(config))
+    assert out.exit_code == 0, out.output
+    assert out.stderr == f"opd run: store {tmp_path / 'store'}, logs {tmp_path / 'logs'}\n"
+    assert started == [tmp_path / "logs"]
+    # what a later `opd run` on this store is compared with
+    assert yaml.safe_load(Store(tmp_path / "store").read_bytes(LAUNCH_CONFIG))["train"]["max_steps"] == 4
+
+
+def test_rays_token_auth_notice_is_hidden_while_the_launcher_starts_its_ray():
+    import logging
+
+    from ray._private.authentication import authentication_token_setup as token_setup
+
+    from opd_cache.launch.ray_launcher import RAY_TOKEN_AUTH_LOGGER, quiet_token_auth_notice
+
+    assert token_setup.logger.name == RAY_TOKEN_AUTH_LOGGER  # the logger Ray's notice goes through
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    token_setup.logger.addHandler(handler)
+    try:
+        with quiet_token_auth_notice():
+            token_setup._warn_token_auth_enabled()  # what ray.init says when it starts a one-machine cluster
+        assert seen == []
+        token_setup._warn_token_auth_enabled()  # elsewhere Ray's logging is as it was
+        assert len(seen) == 1 and seen[0].startswith("Token authentication is enabled for this Ray cluster")
+    finally:
+        token_setup.logger.removeHandler(handler)

@@ -50,6 +50,7 @@ SKIPPED: dict[str, str] = {
     r"^ray (start|job)": "starts or joins a Ray cluster (on a shared machine it would outlive the test)",
     r"^export AWS_": "S3 credentials",
     r"^bash scripts/gpu_(check|wheels)\.sh": "the GPU check and its wheels: a GPU machine (docs/gpu.md)",
+    r"^python -m pytest ": "tests of the checkout: the suite runs them itself (the scratch folder has no tests/)",
 }
 # What runs: opd itself and `python -c`. Any other command must be in SKIPPED, so nothing unexpected (a server,
 # a cluster, an install) ever starts from a doc.

@@ -123,8 +123,8 @@ TODAY: dict[str, dict[str, tuple | None]] = {
     ),
     "export": dict.fromkeys(["--to", "--format", "--overwrite", "--tokenizer", "--no-text", "--teacher"]),
     "inspect": dict.fromkeys(["--sample", "--tokenizer", "--teacher", "--json"]),
-    "migrate": dict.fromkeys(["--store", "--dry-run"]),
-    "report": dict.fromkeys(["--store", "--out"]),
+    "migrate": dict.fromkeys(["--dry-run"]),  # --store: still accepted, hidden (STORE names the store)
+    "report": dict.fromkeys(["--out"]),
     "verify": dict.fromkeys(["--json"]),
 }
 # what a command needs besides the flag under test

@@ -200,3 +200,48 @@ def test_version_ranges_stay_one_short_line_for_a_long_run():
     assert _ranges([0, 1, 2, 5]) == "0-2, 5"
     every_other = list(range(0, 800, 2))  # a long run's annotations skip versions
     assert _ranges(every_other) == "0, 2, 4, 6, …, 792, 794, 796, 798 (400 versions in 400 ranges)"
+
+
+def test_inspect_prints_markup_in_user_data_as_it_is(tmp_path, tokenizer, tokenizer_path):
+    """Decoded text, ids and paths are the user's data: "[/bold]" in a response is printed, not taken for Rich
+    markup (which dropped it, or stopped inspect with a MarkupError on a closing tag)."""
+    import numpy as np
+
+    from opd_cache.storage.schema import annotated_table, list_lengths, rollout_table
+    from opd_cache.testing import write_rollout_shard
+
+    store = Store(tmp_path / "st[red]ore")
+    run = store.manifest.ensure(student=str(tokenizer_path), tokenizer_fingerprint="fp-test")
+    shard = "v000000-w00-000000"
+    text = " 12 [/bold] [red]34"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text  # the shipped tokenizer writes it back as it was
+    table = rollout_table(
+        sample_ids=[f"{shard}-0"],
+        prompt_index=np.arange(1),
+        sample_index=np.zeros(1),
+        prompt_ids=[np.array(tokenizer.encode("[b]1+1=", add_special_tokens=False))],
+        response_ids=[np.array(ids)],
+        behavior_logprobs=[np.full(len(ids), -0.5)],
+        policy_version=0,
+        finish_reason=["stop"],
+    )
+    write_rollout_shard(store, run, shard, table)
+    lengths = list_lengths(table["response_ids"])
+    part = annotated_table(
+        sample_ids=table["sample_id"].to_pylist(),
+        lengths=lengths,
+        topk_ids=np.tile(np.array(ids[:4]), (len(ids), 1)),
+        topk_logprobs=np.full((len(ids), 4), -1.5),
+        token_logprob=np.full(len(ids), -2.0, dtype=np.float32),
+    )
+    write_annotated_part(store, run, shard, "teacher", part, top_k=4)
+    path = str(store.local_path(layout.rollout_path(shard)))
+    out = opd("inspect", path)
+    assert out.returncode == 0, out.output
+    assert f"response: {text!r}" in out.stdout and "prompt:   '[b]1+1='" in out.stdout
+    assert path in out.stdout  # the folder's "[red]" kept
+    assert "per-token view, teacher 'teacher'" in out.stdout and "│ '['" in out.stdout  # the token column
+    summary = opd("inspect", store.uri)
+    assert summary.returncode == 0, summary.output
+    assert summary.stdout.startswith(f"{store.uri} (run ")

@@ -206,9 +206,7 @@ def test_every_fenced_command_is_run_or_skipped_with_a_reason():
     assert len(ran) >= 10, [str(c) for c in ran]
     # the extraction: continuations joined, comments dropped, a '#' inside quotes kept
     rollout = next(c for c in commands if c.doc.name == "rollout.md" and "--max-samples" in c.text)
-    assert (
-        rollout.text.startswith("opd rollout --store runs/demo --student") and "parquet --n 4 --max-new" in rollout.text
-    )
+    assert rollout.text.startswith("opd rollout runs/demo --student") and "parquet --n 4 --max-new" in rollout.text
     assert rollout.text.endswith("--worker-id w00")  # the continuation line, joined
     assert strip_comment("opd export a --to b   # --format arrow") == "opd export a --to b"
     assert strip_comment("python -c \"print('#1')\"  # x") == "python -c \"print('#1')\""

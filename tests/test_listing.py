@@ -91,7 +91,7 @@ def test_flat_layout_of_earlier_versions_is_read_refused_by_stages_and_migrated(
         ShardWatch(store).poll(0, 2)
     assert str(refused.value) == (
         f"{store.path('rollouts/v000000-w00-000000.arrow')} and 2 more shards are in the flat layout of earlier "
-        f"opd_cache versions (rollouts/<shard>.arrow); run `opd migrate --store {store.uri}` once, with no stage "
+        f"opd_cache versions (rollouts/<shard>.arrow); run `opd migrate {store.uri}` once, with no stage "
         f"running"
     )
 

@@ -159,4 +159,4 @@ def test_opd_scale_writes_the_wanted_counts_and_refuses_no_count(local_store):
     assert opd("scale", "--store", local_store.uri, "--rollout", "2").returncode == 0
     assert local_store.read_json(SCALE_FILE) == {"annotate": 3, "rollout": 2}
     refused = opd("scale", "--store", local_store.uri)
-    assert refused.returncode == 2 and "give --rollout N and/or --annotate N" in refused.stderr
+    assert refused.returncode == 2 and "give --rollout-workers N and/or --annotate-workers N" in refused.stderr

@@ -1,4 +1,4 @@
-"""What every command shares: the Typer app, the consoles, --set, one-line user errors."""
+"""What every command shares: the Typer app, the consoles, --set, the STORE argument, one-line user errors."""
 
 from __future__ import annotations
 
@@ -20,6 +20,19 @@ class OpdCommand(TyperCommand):
     """Plain help text (click's layout, not Rich's boxes): every flag's full name at any width (at 80 columns a
     long name goes on its own line, its help below it), and the options in sections: the command's own, then the
     generated config flags one section per config section (`rich_help_panel`, config_flags.py)."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        """click's usage line, `opd verify [OPTIONS] STORE`, not typer's `{store}`: an argument by its metavar (its
+        name in capitals), in brackets when it may be left out."""
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name != "argument":
+                continue
+            name = param.metavar or (param.name or "").upper()
+            if param.nargs != 1 and not name.endswith("..."):
+                name += "..."
+            pieces.append(name if param.required else f"[{name}]")
+        return pieces
 
     def format_options(self, ctx, formatter) -> None:
         sections: dict[str, list[tuple[str, str]]] = {}
@@ -84,6 +97,26 @@ err_console = _console(stderr=True)
 SetOpt = typer.Option(
     None, "--set", metavar="KEY=VALUE", help="Override any config key: --set train.lr=3e-4 (repeatable)."
 )
+
+
+# The store is the first argument of every command (`opd report STORE`, `opd scale STORE`, as inspect, verify and
+# export); `--store` still names it, hidden from the help, so that scripts written before keep working.
+STORE_HELP = "Store directory or URI (s3://bucket/prefix)."
+StoreAliasOpt = typer.Option(None, "--store", hidden=True, help="The same as STORE (the older spelling).")
+
+
+def store_arg(help: str = STORE_HELP):
+    return typer.Argument(None, metavar="STORE", show_default=False, help=help)
+
+
+def one_store(command: str, positional: str | None, option: str | None) -> str:
+    """The store a command was given as STORE or as --store: one of them, and one store."""
+    if positional is not None and option is not None and positional != option:
+        raise ValueError(f"STORE {positional} and --store {option} name two stores: give one of them")
+    store = positional if positional is not None else option
+    if store is None:
+        raise ValueError(f"opd {command} needs a store: opd {command} STORE")
+    return store
 
 
 def open_store(cfg: Config) -> Store:

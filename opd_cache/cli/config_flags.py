@@ -8,6 +8,7 @@
 
 The help of a flag is the key's `description` in opd_cache/config.py, so adding a key there adds its flag.
 FLAG_ALIASES keeps the short flags the commands had before they were generated (`--store`, `--temperature`).
+A command with a store section also takes the store as its first argument (`opd train STORE`, STORE_ARGUMENT).
 `opd COMMAND --print-config` prints the config the flags resolve to.
 """
 
@@ -135,6 +136,18 @@ CONFIG_OPTIONS = [
 ]
 
 
+# The store as the first argument of every command with a store section (`opd train runs/x/store`), as `opd
+# inspect`, `verify`, `export` and `report` take it; `--store` (the store.uri flag) names it too, for old scripts.
+STORE_ARGUMENT = inspect.Parameter(
+    "store_argument",
+    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    default=typer.Argument(
+        None, metavar="STORE", show_default=False, help="The run's store: a directory or URI (store.uri; or --store)."
+    ),
+    annotation=str | None,
+)
+
+
 @dataclass
 class ConfigArgs:
     """What a stage command was given for its config: --config, its config-key flags, --set, --print-config."""
@@ -197,6 +210,8 @@ def config_flags(
                     raise TypeError(f"opd {command}: {name} would set both {flag.key} and {taken[name]}")
                 taken[name] = flag.key
 
+        store_argument = [STORE_ARGUMENT] if "store" in sections else []  # `opd train STORE`, as inspect/verify
+
         @functools.wraps(command_fn)
         def with_config_flags(*, config_file, sets, print_only, **kwargs):
             flags = {}
@@ -204,10 +219,17 @@ def config_flags(
                 given = kwargs.pop(flag.parameter.name)
                 if given is not None:
                     flags[flag.key] = flag.value(given)
+            positional = kwargs.pop(STORE_ARGUMENT.name, None)
+            if positional is not None:
+                if flags.get("store.uri", positional) != positional:
+                    raise ValueError(
+                        f"STORE {positional} and --store {flags['store.uri']} name two stores: give one of them"
+                    )
+                flags["store.uri"] = positional
             args = ConfigArgs(config_file, flags, list(sets or []), print_only, own_section)
             return command_fn(**kwargs, args=args)
 
-        parameters = own + CONFIG_OPTIONS + [flag.parameter for flag in generated]
+        parameters = store_argument + own + CONFIG_OPTIONS + [flag.parameter for flag in generated]
         with_config_flags.__signature__ = signature.replace(parameters=parameters)
         return with_config_flags
 

@@ -12,7 +12,7 @@ from opd_cache.observe.progress import Every, duration
 @app.command("export")
 @user_errors
 def export_command(
-    store: str = typer.Argument(..., help="Store directory or URI with annotated shards."),
+    store: str = typer.Argument(..., metavar="STORE", help="Store directory or URI with annotated shards."),
     to: str = typer.Option(..., "--to", help="Output folder (path or URI); must be new or empty."),
     fmt: str = typer.Option("parquet", "--format", help="parquet (zstd) or arrow (an Arrow IPC stream per teacher)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier `opd export` in --to."),

@@ -1,18 +1,23 @@
-"""`opd ingest FILE... --store S`: rollouts from another producer (JSONL) into rollout shards."""
+"""`opd ingest STORE FILE...`: rollouts from another producer (JSONL) into rollout shards."""
 
 from __future__ import annotations
 
 import typer
 from rich.markup import escape
 
-from opd_cache.cli.common import app, console, err_console, user_errors
+from opd_cache.cli.common import StoreAliasOpt, app, console, err_console, user_errors
 
 
 @app.command("ingest")
 @user_errors
 def ingest_command(
-    files: list[str] = typer.Argument(..., help="JSONL files, one row per line (shapes: docs/agents.md)."),
-    store: str = typer.Option(..., "--store", help="Store directory or URI to write rollout shards into."),
+    paths: list[str] = typer.Argument(
+        ...,
+        metavar="STORE FILE...",
+        help="Store directory or URI to write rollout shards into, then JSONL files, one row per line "
+        "(shapes: docs/agents.md).",
+    ),
+    store_option: str | None = StoreAliasOpt,
     student: str | None = typer.Option(
         None, "--student", help="Student model folder (its tokenizer and chat template); default: run.json's."
     ),
@@ -44,6 +49,12 @@ def ingest_command(
     """
     from opd_cache.rollout.ingest import IngestOptions, ingest
     from opd_cache.storage.store import Store
+
+    # `opd ingest STORE FILE...`, as every command names its store first; with --store (older scripts) every
+    # argument is a file
+    store, files = (store_option, paths) if store_option is not None else (paths[0], paths[1:])
+    if not files:
+        raise ValueError("opd ingest needs a store and at least one file: opd ingest STORE FILE...")
 
     options = IngestOptions(
         policy_version=policy_version,

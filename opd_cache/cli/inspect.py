@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import typer
+from rich.markup import escape
 
 from opd_cache.cli.common import app, console, user_errors
 from opd_cache.storage import layout
@@ -221,7 +222,8 @@ def _published_dtype(store: Store) -> str | None:
 
 def print_store_summary(summary: dict) -> None:
     console.print(
-        f"[bold]{summary['store']}[/] (run {summary['run_id']}, student {summary['student']})",
+        f"[bold]{escape(summary['store'])}[/] (run {escape(str(summary['run_id']))}, "
+        f"student {escape(str(summary['student']))})",
         highlight=False,
         soft_wrap=True,
     )
@@ -242,7 +244,8 @@ def print_store_summary(summary: dict) -> None:
         n = len(summary["damaged"])
         console.print(
             f"  damaged: {n} file{'s' if n != 1 else ''} left out (--skip-damaged): "
-            f"{', '.join(summary['damaged'])}; `opd verify {summary['store']}` says what is wrong with each",
+            f"{escape(', '.join(summary['damaged']))}; `opd verify {escape(summary['store'])}` says what is wrong "
+            f"with each",
             highlight=False,
             soft_wrap=True,
         )
@@ -255,10 +258,10 @@ def print_store_summary(summary: dict) -> None:
             else f"{t['bytes_per_token']:.1f} bytes/token stored, {t['decoded_bytes_per_token']:.1f} decoded"
         )
         console.print(
-            f"  teacher {name}: k={'/'.join(map(str, t['top_k']))}, {t['parts']} parts, {t['rows']} rows, "
-            f"{t['tokens']} tokens, {t['bytes']} bytes ({bpt}), codec {'/'.join(t['codec'])}, top-k log-probs "
+            f"  teacher {escape(name)}: k={'/'.join(map(str, t['top_k']))}, {t['parts']} parts, {t['rows']} rows, "
+            f"{t['tokens']} tokens, {t['bytes']} bytes ({bpt}), codec {escape('/'.join(t['codec']))}, top-k log-probs "
             f"{'/'.join(t['topk_logprob_dtype'])}, versions "
-            f"{_ranges(t['policy_versions'])}" + (f", engine {'; '.join(t['engine'])}" if t["engine"] else ""),
+            f"{_ranges(t['policy_versions'])}" + (f", engine {escape('; '.join(t['engine']))}" if t["engine"] else ""),
             highlight=False,
             soft_wrap=True,
         )
@@ -288,6 +291,7 @@ def _ranges(values: list[int], shown: int = 8) -> str:
 def inspect_command(
     shard: str = typer.Argument(
         ...,
+        metavar="STORE|SHARD",
         help="Path or URI of a rollout or annotated shard (.arrow), or of a store "
         "(a folder with run.json) for a summary of the whole cache.",
     ),
@@ -332,19 +336,21 @@ def inspect_command(
         except Exception:  # decoding is a convenience; ids are still shown
             tokenizer = None
 
-    console.print(f"[bold]{shard}[/]")
+    # escape(): shard names, metadata, ids and decoded text are the user's data, never Rich markup ("[/b]" in a
+    # response would otherwise vanish or raise a MarkupError)
+    console.print(f"[bold]{escape(shard)}[/]")
     for key, value in info["schema_metadata"].items():
-        console.print(f"  {key:28s} {value}", highlight=False)
+        console.print(f"  {escape(f'{key:28s}')} {escape(str(value))}", highlight=False)
     console.print(f"  {'rows':28s} {info['rows']}")
     for key in ("prompt_tokens", "response_tokens", "response_tokens_mean", "finish_reasons", "cross_tokenizer"):
         if key in info:
-            console.print(f"  {key:28s} {info[key]}")
+            console.print(f"  {key:28s} {escape(str(info[key]))}")
     if row is None:
         return
-    console.print(f"\n[bold]sample {sample}[/] ({row['sample_id']})")
+    console.print(f"\n[bold]sample {sample}[/] ({escape(str(row['sample_id']))})")
     if meta.kind == ROLLOUT:
-        console.print(f"  prompt:   {_decode(tokenizer, row['prompt_ids'])!r}", highlight=False)
-        console.print(f"  response: {_decode(tokenizer, row['response_ids'])!r}", highlight=False)
+        console.print(f"  prompt:   {escape(repr(_decode(tokenizer, row['prompt_ids'])))}", highlight=False)
+        console.print(f"  response: {escape(repr(_decode(tokenizer, row['response_ids'])))}", highlight=False)
         lp = np.array(row["behavior_logprobs"], dtype=np.float64)
         if len(lp):
             console.print(f"  behavior log-prob: sum {lp.sum():.3f}, mean {lp.mean():.3f}")
@@ -356,12 +362,16 @@ def inspect_command(
         console.print(f"  positions: {len(lp)}; teacher log-prob of sampled tokens: sum {lp.sum():.3f}")
         rollout_row = _rollout_row(store, meta.shard_id, row["sample_id"]) if store else None
         if rollout_row is not None:  # the sampled text, and the per-token view against this part
-            console.print(f"  prompt:   {_decode(tokenizer, rollout_row['prompt_ids'])!r}", highlight=False)
-            console.print(f"  response: {_decode(tokenizer, rollout_row['response_ids'])!r}", highlight=False)
+            console.print(f"  prompt:   {escape(repr(_decode(tokenizer, rollout_row['prompt_ids'])))}", highlight=False)
+            console.print(
+                f"  response: {escape(repr(_decode(tokenizer, rollout_row['response_ids'])))}", highlight=False
+            )
             print_token_view(rollout_row, (meta.teacher or "teacher", table), tokenizer)
         elif len(lp):  # no rollout shard beside the part: the teacher's own first choice at each position
             top1 = [ids[0] for ids in row["teacher_topk_ids"]]
-            console.print(f"  teacher's top-1 token per position: {_decode(tokenizer, top1)!r}", highlight=False)
+            console.print(
+                f"  teacher's top-1 token per position: {escape(repr(_decode(tokenizer, top1)))}", highlight=False
+            )
 
 
 def _rollout_row(store: Store, shard_id: str, sample_id: str) -> dict | None:
@@ -402,11 +412,13 @@ def print_token_view(row: dict, part: tuple[str, pa.Table], tokenizer) -> None:
     name, table = part
     ids = table["sample_id"].to_pylist()
     if row["sample_id"] not in ids:
-        console.print(f"  (teacher {name} did not annotate this sample: it is routed to another teacher)")
+        console.print(f"  (teacher {escape(name)} did not annotate this sample: it is routed to another teacher)")
         return
     ann = table.slice(ids.index(row["sample_id"]), 1).to_pylist()[0]
     flags = ann.get(TARGET_FLAGS)  # cross-tokenizer: a group's student and teacher log-probs at its last position
-    view = Table(title=f"per-token view, teacher {name!r} (gap = teacher − student log-prob)", show_lines=False)
+    view = Table(
+        title=f"per-token view, teacher {escape(repr(name))} (gap = teacher − student log-prob)", show_lines=False
+    )
     columns = ("t", "token", "student", "teacher", "gap", "teacher's top alternatives")
     if flags is not None:
         columns = ("t", "token", "flags", "group text", "student", "teacher", "gap", "teacher's top alternatives")
@@ -414,7 +426,7 @@ def print_token_view(row: dict, part: tuple[str, pa.Table], tokenizer) -> None:
         view.add_column(
             col, justify="left" if col in ("token", "group text", "teacher's top alternatives") else "right"
         )
-    decode = (lambda i: repr(tokenizer.decode([i]))) if tokenizer is not None else str
+    decode = (lambda i: escape(repr(tokenizer.decode([i])))) if tokenizer is not None else str
     group_start = 0
     for t, token in enumerate(row["response_ids"]):
         s, p = row["behavior_logprobs"][t], ann["teacher_token_logprob"][t]
@@ -424,7 +436,7 @@ def print_token_view(row: dict, part: tuple[str, pa.Table], tokenizer) -> None:
             span = row["response_ids"][group_start : t + 1]
             s = float(np.sum(row["behavior_logprobs"][group_start : t + 1])) if ends else float("nan")
             p = float("nan") if flags[t] & EXCLUDED else p  # a row the alignment refused: no teacher target
-            text = (repr(tokenizer.decode(span)) if tokenizer is not None else str(span)) if ends else ""
+            text = escape(repr(tokenizer.decode(span)) if tokenizer is not None else str(span)) if ends else ""
             cross = [describe_flags(flags[t]), text]
             group_start = t + 1 if ends else group_start
         gap = p - s

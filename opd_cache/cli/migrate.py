@@ -1,4 +1,4 @@
-"""`opd migrate --store DIR`: move a store's shards from the flat layout into version partitions.
+"""`opd migrate STORE`: move a store's shards from the flat layout into version partitions.
 
 Earlier opd_cache versions wrote `rollouts/<shard>.arrow` and `annotated/<shard>/<teacher>.arrow`; shards now
 live under their policy version (`rollouts/v000003/<shard>.arrow`, `annotated/v000003/<shard>/<teacher>.arrow`)
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import typer
 
-from opd_cache.cli.common import app, console, user_errors
+from opd_cache.cli.common import StoreAliasOpt, app, console, one_store, store_arg, user_errors
 from opd_cache.storage import layout
 from opd_cache.storage.layout import ANNOTATED
 
@@ -39,13 +39,14 @@ def flat_layout_moves(store) -> list[tuple[str, str]]:
 @app.command("migrate")
 @user_errors
 def migrate_command(
-    store: str = typer.Option(..., "--store", help="Store directory or URI."),
+    store: str | None = store_arg(),
+    store_option: str | None = StoreAliasOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Only say how many files would move."),
 ) -> None:
     """Move shards written in the flat layout of earlier versions into version partitions (once, stages stopped)."""
     from opd_cache.storage.store import Store
 
-    s = Store(store)
+    s = Store(one_store("migrate", store, store_option))
     s.manifest.require()
     moves = flat_layout_moves(s)
     if dry_run or not moves:

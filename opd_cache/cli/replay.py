@@ -1,4 +1,4 @@
-"""`opd replay --from SRC [--from SRC2 ...] --store DST`: train a new student on existing annotations."""
+"""`opd replay DST --from SRC [--from SRC2 ...]`: train a new student on existing annotations."""
 
 from __future__ import annotations
 
@@ -40,14 +40,14 @@ def replay_command(
     """Train on the annotated shards of existing stores, which are only read: no rollout, no teacher.
 
     Off-policy for the new student, so no staleness bound; the run (policy versions, resume states, ledger)
-    is written to --store and resumes from its last state when run again with the same selection. Without
+    is written to STORE (or --store) and resumes from its last state when run again with the same selection. Without
     --max-steps (or train.max_steps in --config or --set) it trains as many steps as the epochs need.
     """
     from opd_cache.config import TrainConfig, load_config
     from opd_cache.train.replay import ReplaySpec, run_replay
 
     if "store.uri" not in args.flags:
-        raise ValueError("opd replay needs --store DST: the replay's own store")
+        raise ValueError("opd replay needs its own store: opd replay STORE --from SOURCE (or --store STORE)")
     cfg = args.resolve(adjust=lambda c: _source_lr_unless_given(c, args, sources[0]))
     # No step limit anywhere (flag, --set, config file): the replay runs every epoch, as many steps as they need.
     steps_from_epochs = (

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from opd_cache.cli.common import app, console, user_errors
+from opd_cache.cli.common import StoreAliasOpt, app, console, one_store, store_arg, user_errors
 
 
 def default_report_dir(store: str) -> Path:
@@ -19,7 +19,8 @@ def default_report_dir(store: str) -> Path:
 @app.command("report")
 @user_errors
 def report_command(
-    store: str = typer.Option(..., "--store", help="Store directory or URI."),
+    store: str | None = store_arg(),
+    store_option: str | None = StoreAliasOpt,
     out: Path | None = typer.Option(
         None, "--out", help="Output folder (default: plots/ beside the store, as opd demo; ./plots for a remote store)."
     ),
@@ -28,6 +29,7 @@ def report_command(
     from opd_cache.observe.report import summary_lines, write_report
     from opd_cache.storage.store import Store
 
+    store = one_store("report", store, store_option)
     s = Store(store)
     s.manifest.require()
     out = out or default_report_dir(store)

@@ -19,7 +19,9 @@ def rollout_command(args: ConfigArgs) -> None:
 
     cfg = args.resolve()
     if "store.uri" not in args.flags and cfg.store.uri == "store" and args.file is None:
-        raise ValueError("--store is required (a directory or URI for the run's shared storage)")
+        raise ValueError(
+            "opd rollout needs a store: opd rollout STORE (a directory or URI for the run's shared storage; or --store)"
+        )
     # missing local inputs: one clear line before the tokenizer, the prompts or the model load
     if cfg.rollout.prompts is not None:
         check_prompts_path(cfg.rollout.prompts)

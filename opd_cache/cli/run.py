@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from opd_cache.cli.common import SetOpt, app, user_errors
+from opd_cache.cli.common import SetOpt, app, err_console, open_store, user_errors
 from opd_cache.cli.config_flags import ConfigArgs, config_flags
 
 
@@ -29,10 +29,23 @@ def run_command(
     ),
     launcher: str = typer.Option("local", "--launcher", help="local (processes here) or ray (docs/scale-out.md)."),
     address: str | None = typer.Option(None, "--address", help="Ray cluster to join (--launcher ray; ray.address)."),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="Continue the store's run, finished or of another config (e.g. to a higher --train-max-steps).",
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Delete the store's run (and its stage logs) and start afresh."
+    ),
     *,
     args: ConfigArgs,
 ) -> None:
-    """Start rollout, annotate, train and an evaluator as processes on one store, until training finishes."""
+    """Start rollout, annotate, train and an evaluator as processes on one store, until training finishes.
+
+    A store that holds a finished run, or a run of another config, is refused unless --resume or --overwrite
+    says what to do with it (README, "Other commands"); an unfinished run of the same config is continued.
+    """
+    from opd_cache.launch.attach import check_logs_folder, check_store_run, overwrite_run, record_run_config
     from opd_cache.launch.run import supervise, sync_overrides, write_resolved_config
 
     if launcher not in ("local", "ray"):
@@ -41,7 +54,18 @@ def run_command(
         args.flags["ray.address"] = address
     cfg = args.resolve(adjust=lambda cfg: sync_overrides(cfg) if cfg.run.sync else cfg)
     logs = logs or default_logs_dir(cfg.store.uri)
+    store = open_store(cfg)
+    check_logs_folder(logs, cfg)  # another store's logs are never overwritten
+    found = check_store_run(store, cfg, resume=resume, overwrite=overwrite)
+    if found.message:
+        err_console.print(found.message, highlight=False, soft_wrap=True)
+    if found.action == "overwrite":
+        overwrite_run(store, logs)
+    elif store.is_done():  # --resume of a finished run: the stages must not stop at its old DONE
+        store.clear_done()
     resolved = write_resolved_config(cfg, logs / "config.yaml")
+    record_run_config(store, cfg)
+    err_console.print(f"opd run: store {store.uri}, logs {logs}", highlight=False, soft_wrap=True)
     if launcher == "ray":
         from opd_cache.launch.ray_launcher import supervise_ray
 

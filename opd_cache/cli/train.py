@@ -1,7 +1,7 @@
 """`opd train`: train the student on annotated shards (single process, or under torchrun).
 
-opd train --store runs/demo --max-steps 200 --lr 2e-3
-torchrun --nproc_per_node 2 -m opd_cache.cli train --store runs/demo ...
+opd train runs/demo --max-steps 200 --lr 2e-3
+torchrun --nproc_per_node 2 -m opd_cache.cli train runs/demo ...
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ from opd_cache.cli.common import app, console, err_console, user_errors
 @user_errors
 def verify_command(
     store: str = typer.Argument(
-        ..., help="Store directory or URI (s3://bucket/prefix: set AWS_ENDPOINT_URL for S3-compatible servers)."
+        ...,
+        metavar="STORE",
+        help="Store directory or URI (s3://bucket/prefix: set AWS_ENDPOINT_URL for S3-compatible servers).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:

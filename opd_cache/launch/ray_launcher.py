@@ -12,7 +12,7 @@ the actor dies with its child (a non-zero exit ends the actor), so for Ray "the 
 - the trainer is `ray.train_world_size` rank actors in one placement group (a torchrun equivalent: RANK,
   WORLD_SIZE, MASTER_ADDR/PORT for FSDP2; each rank sees only its own GPUs, so LOCAL_RANK is 0). A dead rank
   takes its peers down, so the launcher restarts the whole group (it resumes from its newest state);
-- `opd scale --store S --annotate N --rollout M` writes `launch/scale.json`; the launcher reads it every
+- `opd scale S --annotate-workers N --rollout-workers M` writes `launch/scale.json`; the launcher reads it every
   `ray.scale_poll_seconds` and adds or removes workers while the run goes on. A removed worker is stopped as by
   Ctrl-C (`retire`): rollout flushes its rows, annotate releases its shard lease (annotate/leases.py), which
   another worker takes at once; one that does not stop within RETIRE_SECONDS is killed, and its lease expires.
@@ -23,6 +23,8 @@ Nothing goes between the stages except the store, so the dashboard and `opd repo
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 import time
@@ -57,6 +59,26 @@ def bind_ray_to_loopback() -> None:
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the processes Ray starts read it when they import ray
     ray_constants.ENABLE_RAY_CLUSTER = False  # this process read it when it imported ray
+
+
+# the logger of Ray's notice "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to
+# opt out ..." (ray/_private/authentication/authentication_token_setup.py), printed by every ray.init that starts
+# a new one-machine cluster
+RAY_TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+@contextlib.contextmanager
+def quiet_token_auth_notice():
+    """Hide Ray's token-authentication notice while the launcher starts its one-machine Ray: that cluster listens
+    on 127.0.0.1 only (bind_ray_to_loopback) and Ray's token auth stays as Ray sets it; the notice, a warning
+    about a choice the user never made, came first in every `opd run --launcher ray` output. Ray's errors show."""
+    logger = logging.getLogger(RAY_TOKEN_AUTH_LOGGER)
+    previous = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
 
 
 def check_store_reachable(store: Store, nodes: int, shared_filesystem: bool) -> None:
@@ -139,13 +161,14 @@ class RayLauncher:
             stages += [cfg.ray.rollout, cfg.ray.annotate] * MAX_SCALE_UP + [cfg.ray.eval]
             wanted = sum(r.num_cpus for r in stages) + cfg.ray.train.num_cpus * cfg.ray.train_world_size
             bind_ray_to_loopback()  # one machine: nothing listens beyond 127.0.0.1
-            ray.init(
-                num_cpus=max(os.cpu_count() or 1, int(wanted + 0.999)),
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                runtime_env=runtime_env,
-                log_to_driver=False,
-            )
+            with quiet_token_auth_notice():
+                ray.init(
+                    num_cpus=max(os.cpu_count() or 1, int(wanted + 0.999)),
+                    include_dashboard=False,
+                    _node_ip_address="127.0.0.1",
+                    runtime_env=runtime_env,
+                    log_to_driver=False,
+                )
         check_store_reachable(self.store, len([n for n in ray.nodes() if n.get("Alive")]), cfg.ray.shared_filesystem)
 
     # ---------------------------------------------------------------- stages

@@ -1,6 +1,6 @@
 """`opd ingest`: JSONL rollouts from another producer (an agent framework, verl, TRL, a chat log) into shards.
 
-    opd ingest rows.jsonl --store runs/agent --student data/models/student --policy-version 0
+    opd ingest runs/agent rows.jsonl --student data/models/student --policy-version 0
 
 Row shapes and how each becomes tokens: opd_cache/rollout/ingest_formats.py. The run, top to bottom:
 

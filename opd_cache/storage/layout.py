@@ -15,6 +15,7 @@
 <root>/holders/<name>.json                            a reader's hold on policy versions (storage/retention.py)
 <root>/metrics/<stage>-<worker>.jsonl (or metrics/<stage>-<worker>/<segment>.jsonl on object stores)
 <root>/quarantine/<name> + <name>.reason.txt          <name>: the moved file's path with '/' as '__'
+<root>/launch/config.yaml                             the config `opd run` started the run with (launch/attach.py)
 
 Every path above is a function below (`rollout_path(shard_id)`, `state_dir(step)`, ...): callers never join
 these names themselves, so the layout can be read, and changed, here alone.
@@ -44,6 +45,7 @@ LEASES = "leases"  # annotate workers' shard leases (opd_cache/annotate/leases.p
 HOLDERS = "holders"  # readers' holds on policy versions (opd_cache/storage/retention.py)
 METRICS = "metrics"
 QUARANTINE = "quarantine"
+LAUNCH_CONFIG = "launch/config.yaml"  # the resolved config of the `opd run` that started the run (launch/attach.py)
 REASON_SUFFIX = ".reason.txt"
 
 

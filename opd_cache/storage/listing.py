@@ -86,7 +86,7 @@ class ShardListing:
             return None
         return (
             f"{self.files.path(flat[0])} and {len(flat) - 1} more shards are in the flat layout of earlier "
-            f"opd_cache versions (rollouts/<shard>.arrow); run `opd migrate --store {self.files.uri}` once, "
+            f"opd_cache versions (rollouts/<shard>.arrow); run `opd migrate {self.files.uri}` once, "
             f"with no stage running"
         )
 

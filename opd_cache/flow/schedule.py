@@ -232,7 +232,11 @@ def schedule_from_config(train_cfg, max_staleness: int | None = None, **counters
 def read_schedule(store) -> TrainSchedule | None:
     """The trainer's schedule from `train/progress.json` (None: none published yet; the stages then pace as
     before). A malformed one raises ScheduleError naming the file."""
-    progress = store.read_progress()
+    return schedule_in(store.read_progress(), store)
+
+
+def schedule_in(progress: Mapping, store) -> TrainSchedule | None:
+    """The schedule of a progress record already read from `store` (None: none in it)."""
     data = progress.get(SCHEDULE_KEY)
     if data is None:
         return None

@@ -44,6 +44,7 @@ import numpy as np
 
 from opd_cache.flow.staleness import is_too_stale, staleness_window
 from opd_cache.storage import layout
+from opd_cache.storage.layout import parse_shard_id
 from opd_cache.storage.schema import ANNOTATED, CorruptShardError, ShardError, read_shard
 from opd_cache.storage.store import RunManifest, ShardInfo, ShardWatch, Store
 from opd_cache.train.shard_data import ShardCache, read_rollout_ids
@@ -61,6 +62,9 @@ class StreamCursor:
     unrouted_samples: int = 0
     lost_samples: int = 0  # rows of rollout shards that failed their checksum (quarantined, never trained)
     lost_shards: int = 0
+    # rows the stream is done with (trained, unrouted, expired, lost) per policy version, versions a step can
+    # still train only: what the admission rule subtracts from the rows published (flow/schedule.py, #25)
+    done_rows: dict[int, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """The cursor as JSON-ready data: only resume states (trainer.json) and progress.json hold it so."""
@@ -68,7 +72,11 @@ class StreamCursor:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> StreamCursor:
-        return cls(**(d or {}))
+        done = {int(v): int(rows) for v, rows in ((d or {}).get("done_rows") or {}).items()}  # JSON keys: str
+        return cls(**{**(d or {}), "done_rows": done})
+
+    def count_done(self, version: int, rows: int) -> None:
+        self.done_rows[version] = self.done_rows.get(version, 0) + rows
 
     def copy(self) -> StreamCursor:
         return type(self).from_dict(json.loads(json.dumps(self.to_dict())))
@@ -184,6 +192,9 @@ class ShardStream:
         self._expired_since_batch = 0
         self.on_event: Callable[[str], None] = lambda message: print(message, file=sys.stderr)
         self._missing_part: str | None = None  # a quarantined part of the partly consumed shard
+        # for the trainer's schedule (flow/schedule.py): complete batches handed out, rows of the one in assembly
+        self.assembled_steps: int | None = None
+        self.partial_rows = 0
 
     # ------------------------------------------------------------ listing
     def refresh(self, version: int) -> None:
@@ -226,6 +237,8 @@ class ShardStream:
         builder = _Builder()
         waited = 0.0
         idle_start = time.monotonic()
+        self.assembled_steps, self.partial_rows = step - 1, 0
+        self.cursor.done_rows = {v: r for v, r in self.cursor.done_rows.items() if v >= version - self.max_staleness}
         while not builder.full:
             if self.cursor.current is None:
                 fresh = time.monotonic() - self._listed_at <= self.poll_seconds
@@ -252,6 +265,8 @@ class ShardStream:
             if self._take(version, builder):
                 idle_start = time.monotonic()
         expired, self._expired_since_batch = self._expired_since_batch, 0
+        if builder.rows:
+            self.assembled_steps, self.partial_rows = step, 0
         if builder.rows == 0:
             return StreamEnd(*(self._ended or ("no_data", "no more admissible data")), self.cursor.copy(), expired)
         return self._assemble(step, version, builder, expired, waited)
@@ -309,6 +324,8 @@ class ShardStream:
             builder.tokens += int((data.prompt_lengths[rows] + data.response_lengths[rows]).sum())
         self.cursor.trained_samples += len(rows)
         self.cursor.unrouted_samples += (end - start) - len(rows)
+        self.cursor.count_done(data.policy_version, end - start)
+        self.partial_rows = builder.rows
         self.cursor.current_rows = end
         if end == n:
             self._finish(data.shard_id, data=data, trained_until=n)
@@ -402,6 +419,7 @@ class ShardStream:
         if expired_ids:
             self.cursor.expired_samples += len(expired_ids)
             self._expired_since_batch += len(expired_ids)
+        self.cursor.count_done(parse_shard_id(shard_id)[0], len(expired_ids or []) + len(lost_ids or []))
         if lines:
             self.store.write_bytes(
                 layout.skipped_path(shard_id), "".join(json.dumps(line) + "\n" for line in lines).encode()

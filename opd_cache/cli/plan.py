@@ -46,7 +46,7 @@ def spec_from_config(cfg, rollout, annotate, train):
         flush_rows=cfg.rollout.flush_rows,
         flush_seconds=cfg.rollout.flush_seconds,
         max_buffer_samples=cfg.rollout.max_buffer_samples,
-        max_staleness=t.max_staleness,
+        max_staleness=cfg.max_staleness,
         publish_every=t.publish_every,
         prefetch_batches=t.prefetch_batches,
         save_every=t.save_every,

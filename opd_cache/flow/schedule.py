@@ -216,13 +216,13 @@ class TrainSchedule:
         return json.dumps(self.to_json(), sort_keys=True)
 
 
-def schedule_from_config(train_cfg, max_staleness: int | None = None, **counters) -> TrainSchedule:
+def schedule_from_config(train_cfg, max_staleness: int, **counters) -> TrainSchedule:
     """The schedule a TrainConfig implies before the trainer has run (the announcement of `opd run`): anchor
     (0, 0) unless given in `counters`, no rows trained."""
     return TrainSchedule(
         max_steps=train_cfg.max_steps,
         publish_every=train_cfg.publish_every,
-        max_staleness=train_cfg.max_staleness if max_staleness is None else max_staleness,
+        max_staleness=max_staleness,  # the top-level key of Config (TrainConfig has none)
         batch_samples=train_cfg.global_batch_samples,
         batch_tokens=train_cfg.global_batch_tokens,
         **counters,

@@ -12,11 +12,12 @@ The worker loop, top to bottom:
    (even after SIGKILL) neither repeats nor skips prompts. Nothing else holds
    state: there is no side file to get out of sync with the shards.
 4. Loop: reload the weights when a newer version is published; wait while the
-   unconsumed backlog exceeds `max_buffer_samples`, or covers all the trainer's
-   remaining steps need (`samples_needed_total` in its progress), or the loaded
+   trainer's schedule admits no prompt at the loaded version (pacing.py, issue
+   #25; without a schedule: while the unconsumed backlog exceeds
+   `max_buffer_samples` or covers the trainer's remaining demand), or the loaded
    version is more than `max_staleness` behind; sample the next batch of prompts
-   (no more than that demand); publish a shard every `flush_rows` rows or
-   `flush_seconds` seconds.
+   (no more than admitted); publish a shard every `flush_rows` rows or
+   `flush_seconds` seconds, and at once when nothing more is admitted.
 5. Stop after `max_samples` / `max_shards` (totals for this worker, so a
    restart with the same command finishes the job instead of redoing it), at
    the trainer's `train/DONE` with `follow`, on SIGINT/SIGTERM (the CLI sets

@@ -36,12 +36,12 @@ def finish_tiny_run(folder: Path, *, steps: int = STEPS, batch: int = BATCH) -> 
     one of them can still train at the last step."""
     from opd_cache.annotate import run_annotate
     from opd_cache.rollout import run_rollout
-    from opd_cache.train.trainer import run_train
+    from opd_cache.train import run_train
 
     cfg = load_config(tiny_config(folder, steps=steps, batch=batch, max_staleness=steps))
     store = Store(cfg.store.uri)
-    cfg.rollout.max_samples = steps * batch
-    run_rollout(cfg, store)
+    rollout = cfg.rollout.model_copy(update={"max_samples": steps * batch})
+    run_rollout(cfg.model_copy(update={"rollout": rollout}), store)
     run_annotate(cfg, store)
     result = run_train(cfg, store)
     assert result.step == steps and store.is_done(), result

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
 from opd_cache.config import load_config
 from opd_cache.flow.demand import announce_demand
 from tests.flow_helpers import finish_tiny_run
@@ -30,28 +28,29 @@ from tests.helpers import InThread
 IDLE = 20.0  # seconds the trainer waits without admissible data before it gives up (the test's bound)
 
 
-@pytest.mark.xfail(strict=True, reason="#25 phase 2: admission by schedule")
 def test_a_finished_run_continued_with_more_steps_finishes(tmp_path):
     from opd_cache.annotate import Annotator
     from opd_cache.rollout import run_rollout
-    from opd_cache.train.trainer import train
+    from opd_cache.train import run_train
 
     store, _ = finish_tiny_run(tmp_path, steps=2, batch=8)  # run 1: 16 rows trained, train/DONE
     assert store.is_done()
     follow = ["rollout.follow=true", "annotate.follow=true", "train.follow=true"]
     cfg = load_config(tmp_path / "config.yaml", sets=["train.max_steps=3", f"train.idle_timeout={IDLE}", *follow])
 
-    announce_demand(store, cfg.train)  # what `opd run` does before it starts the stages
-    annotator = Annotator(store, cfg.annotate, progress=False)  # the teacher loaded: ready before the trainer
+    announce_demand(store, cfg.train, cfg.max_staleness)  # what `opd run` does before it starts the stages
+    annotator = Annotator(cfg, store, progress=False)  # the teacher loaded: ready before the trainer
     annotating = InThread(annotator.run)
     # annotate's first look at the store: it lists the shards (it stays), or it has already left
     annotating.wait_until(
-        lambda: annotator._watch.polls > 0 or not annotating.thread.is_alive(), "annotate's first look", timeout=60
+        lambda: annotator.selection.watch.polls > 0 or not annotating.thread.is_alive(),
+        "annotate's first look",
+        timeout=60,
     )
     stop = threading.Event()
-    sampling = InThread(lambda: run_rollout(cfg.rollout, store, stop=stop))
+    sampling = InThread(lambda: run_rollout(cfg, store, stop=stop))
     try:
-        result = train(cfg)  # returns at max_steps, or after IDLE seconds without admissible data
+        result = run_train(cfg, store)  # returns at max_steps, or after IDLE seconds without admissible data
     finally:
         stop.set()
         sampling.join(timeout=60)

@@ -160,7 +160,10 @@ def test_rows_expiring_while_the_trainer_waits_stop_counting_as_coverage_during_
     progress = store.read_progress()
     assert progress["step"] == 1 and progress["samples_needed_total"] == 16 and not store.is_done()
     gauge = BacklogGauge(store)
-    assert gauge.backlog() == 0 and gauge.demand == 8  # shard 1's rows are gone: 8 rows still to sample
+    # shard 1's rows are gone: the schedule (#25) admits the 8 rows step 2 still needs, 2 prompts of 4 at version 1
+    assert gauge.backlog() == 0 and gauge.schedule is not None and gauge.demand is None  # the rule replaces it
+    assert gauge.prompts_allowed(1, 0, n=4, max_buffer_samples=1000) == 2
+    assert gauge.prompts_allowed(0, 0, n=4, max_buffer_samples=1000) == 0  # version 0 can no longer train
     make_store(store, student_path, tokenizer, teacher, shards=1, rows=8, version=1)
     trainer.join()
     assert store.is_done() and store.read_progress()["trained_samples"] == 16

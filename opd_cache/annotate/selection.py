@@ -6,8 +6,14 @@
 - `ShardSelection.pending()`: this worker's shards without this teacher's part, oldest first, stale ones included
   (the caller skips and counts those), from one poll of the staleness window below LATEST (`ShardWatch`: older
   shards published late come in through its sweep, one old version per poll).
-- `ShardSelection.demand_covered()`: the shards with this teacher's part cover what the trainer's remaining steps
-  still need (issue #14), so scoring more now would only run ahead of the trainer.
+- Deadline order (issue #25): with the trainer's schedule in its progress (`ShardSelection.read_schedule`), the
+  pending shards go smallest deadline first (`by_deadline`: the last step that can train a shard's version,
+  s_max(v) capped by max_steps), and a shard whose deadline has passed is skipped unscored (`expired`: the
+  worker records it as skipped-expired, with its rows). The worker looks again after every shard.
+- `ShardSelection.demand_covered()`: without a schedule only (a trainer older than #25), the shards with this
+  teacher's part cover what the trainer's remaining steps still need (issue #14). With one it is redundant
+  (rollout makes no row the schedule cannot train) and harmful (a late shard of a dead version counted as
+  coverage would rest annotate while the trainer waits).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import zlib
 import pyarrow as pa
 
 from opd_cache.annotate.leases import LeaseBook
+from opd_cache.flow.schedule import TrainSchedule, read_schedule
 from opd_cache.flow.staleness import is_too_stale, staleness_window
 from opd_cache.storage.schema import count_rows
 from opd_cache.storage.store import ShardInfo, ShardWatch, Store
@@ -70,6 +77,22 @@ class ShardSelection:
             if self.teacher not in parts.get(s.shard_id, ())
             and shard_owner(s.shard_id, self.num_workers) == self.worker_index
         ]
+
+    def read_schedule(self) -> TrainSchedule | None:
+        """The trainer's schedule (None: none published, or the trainer is DONE)."""
+        return None if self.store.is_done() else read_schedule(self.store)
+
+    @staticmethod
+    def by_deadline(shards: list[ShardInfo], schedule: TrainSchedule | None) -> list[ShardInfo]:
+        """The shards, the one that must be trained first, first (ties: oldest first); as given without one."""
+        if schedule is None:
+            return shards
+        return sorted(shards, key=lambda s: (schedule.deadline_step(s.policy_version), s))
+
+    @staticmethod
+    def expired(info: ShardInfo, schedule: TrainSchedule | None) -> bool:
+        """No step the trainer has yet to assemble can train this shard's rows."""
+        return schedule is not None and schedule.deadline_passed(info.policy_version)
 
     def too_stale(self, info: ShardInfo, latest_version: int) -> bool:
         """The trainer (at version >= latest) can no longer use rows from this shard's policy version."""

@@ -63,6 +63,7 @@ from opd_cache.storage.schema import (
     ShardError,
     ShardMeta,
     annotated_table,
+    count_rows,
     flat_values,
     list_lengths,
     read_shard,
@@ -78,6 +79,8 @@ __all__ = ["AnnotateStats", "Annotator", "make_scorer", "run_annotate", "shard_o
 class AnnotateStats:
     annotated: list[str] = field(default_factory=list)  # shard ids this run wrote a part for
     skipped_stale: list[str] = field(default_factory=list)  # too old for the trainer: left unannotated
+    skipped_expired: list[str] = field(default_factory=list)  # past the trainer's deadline (#25): left unannotated
+    skipped_expired_rows: int = 0
     quarantined: list[str] = field(default_factory=list)  # unreadable rollout shards moved to quarantine/
     rows: int = 0
     tokens: int = 0  # response tokens scored
@@ -260,7 +263,10 @@ class Annotator:
         while True:
             if self._stopped():
                 return
+            schedule = self.selection.read_schedule()
             pending = [s for s in self.selection.pending() if s.shard_id not in stale_seen]
+            pending = self.selection.by_deadline(pending, schedule)  # the shard that expires first, first (#25)
+            listed = time.monotonic()
             self._print_progress(backlog=len(pending))
             worked = False
             for i, info in enumerate(pending):
@@ -268,6 +274,12 @@ class Annotator:
                     return
                 backlog = len(pending) - i
                 progress.update(task, total=len(self.stats.annotated) + backlog, backlog=backlog)
+                if i:
+                    schedule = self.selection.read_schedule()  # the trainer moved on while the last shard scored
+                if self.selection.expired(info, schedule):
+                    stale_seen.add(info.shard_id)
+                    self._skip_expired(info, schedule)
+                    continue
                 if self.selection.too_stale(info, self.store.latest_version()):
                     stale_seen.add(info.shard_id)
                     self.stats.skipped_stale.append(info.shard_id)
@@ -275,23 +287,46 @@ class Annotator:
                         {"event": "skipped_stale", "shard_id": info.shard_id, "policy_version": info.policy_version}
                     )
                     continue
-                if self.selection.demand_covered():
+                if schedule is None and self.selection.demand_covered():
                     break  # the trainer's remaining steps are covered: look again after the next poll
                 worked |= self.annotate_shard(info, backlog=backlog - 1)
                 progress.update(
                     task, completed=len(self.stats.annotated), tps=self.stats.tokens_per_second, backlog=backlog - 1
                 )
                 self._print_progress(backlog=backlog - 1)
+                if worked and time.monotonic() - listed >= self.cfg.poll_seconds:
+                    break  # list again: a shard with an earlier deadline (a late one) may be out
             if self._limit_reached() or (not worked and not self.cfg.follow):
                 return
             if not worked:
                 self.stop.wait(self.cfg.poll_seconds)
 
+    def _skip_expired(self, info: ShardInfo, schedule) -> None:
+        """A shard no remaining step can train: left unscored, recorded with its rows (#25)."""
+        try:
+            rows = count_rows(self.store, info.path)
+        except (OSError, pa.ArrowInvalid):
+            rows = 0  # unreadable: the trainer quarantines it when it comes to it
+        self.stats.skipped_expired.append(info.shard_id)
+        self.stats.skipped_expired_rows += rows
+        self.metrics.log(
+            {
+                "event": "skipped_expired",
+                "shard_id": info.shard_id,
+                "policy_version": info.policy_version,
+                "rows": rows,
+                "deadline_step": schedule.deadline_step(info.policy_version),
+                "trainer_next_step": schedule.next_step,
+            }
+        )
+
     def _print_progress(self, backlog: int) -> None:
         if self.plain_progress is not None and self.plain_progress.due():
+            expired = self.stats.skipped_expired
             self.console.print(
                 f"annotate {self.teacher}: {len(self.stats.annotated)} shards, {self.stats.rows} rows, "
-                f"{self.stats.tokens_per_second:,.0f} tok/s, {backlog} pending",
+                f"{self.stats.tokens_per_second:,.0f} tok/s, {backlog} pending"
+                + (f", {len(expired)} skipped expired ({self.stats.skipped_expired_rows} rows)" if expired else ""),
                 highlight=False,
                 soft_wrap=True,
             )

@@ -222,7 +222,7 @@ def schedule_from_config(train_cfg, max_staleness: int, **counters) -> TrainSche
     return TrainSchedule(
         max_steps=train_cfg.max_steps,
         publish_every=train_cfg.publish_every,
-        max_staleness=max_staleness,
+        max_staleness=max_staleness,  # the top-level key of Config (TrainConfig has none)
         batch_samples=train_cfg.global_batch_samples,
         batch_tokens=train_cfg.global_batch_tokens,
         **counters,
@@ -232,7 +232,11 @@ def schedule_from_config(train_cfg, max_staleness: int, **counters) -> TrainSche
 def read_schedule(store) -> TrainSchedule | None:
     """The trainer's schedule from `train/progress.json` (None: none published yet; the stages then pace as
     before). A malformed one raises ScheduleError naming the file."""
-    progress = store.read_progress()
+    return schedule_in(store.read_progress(), store)
+
+
+def schedule_in(progress: Mapping, store) -> TrainSchedule | None:
+    """The schedule of a progress record already read from `store` (None: none in it)."""
     data = progress.get(SCHEDULE_KEY)
     if data is None:
         return None

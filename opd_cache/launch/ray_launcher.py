@@ -315,7 +315,7 @@ class RayLauncher:
         self.stages = [
             self.stage_for(s.name, s.argv, s.log_path) for s in stage_commands(cfg, self.config_path, self.logs)
         ]
-        announce_demand(store, cfg.train)
+        announce_demand(store, cfg.train, cfg.max_staleness)
         stop = StopSignals()
         failure = None
         display = RunDisplay(store, self.stages, cfg.train.max_steps, quiet=quiet)

@@ -333,7 +333,7 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("OMP_NUM_THREADS", str(cfg.run.threads_per_stage))
     env.setdefault("COLUMNS", "200")  # a log file has no width: rich would wrap the stages' lines at 80 columns
-    announce_demand(store, cfg.train)  # rollout paces on the trainer's demand before the trainer starts
+    announce_demand(store, cfg.train, cfg.max_staleness)  # rollout paces on the trainer's schedule from the start
     for stage in stages:
         stage.start(env)
 

@@ -1,25 +1,50 @@
-"""How far rollout may run ahead of the trainer: the unconsumed backlog and the trainer's remaining demand."""
+"""How far rollout may run ahead of the trainer.
+
+With the trainer's schedule in `train/progress.json` (issue #25, opd_cache/flow/schedule.py), admission by
+schedule: a generate() call at version v takes no more prompts than the rule admits,
+
+    trained + pending(≤ v) + k ≤ B·min(s_max(v), max_steps),
+
+pending counted from the rows this gauge lists (per version) plus the worker's own buffer, less the rows the
+trainer is done with; and the rows of live versions stay within `max_buffer_samples` (the backlog is bounded in
+versions by the rule, in samples by the buffer). Rows of versions no step can train any more count for nothing,
+so a shard published late into an old version blocks no one.
+
+Without a schedule (a trainer older than #25, a token budget before its first batch, a finished trainer), the
+count pacing of before: the unconsumed backlog against `max_buffer_samples`, and the trainer's remaining demand
+in samples (issue #14).
+"""
 
 from __future__ import annotations
 
 import pyarrow as pa
 
+from opd_cache.flow.schedule import TrainSchedule, schedule_in
+from opd_cache.storage.layout import parse_shard_id
 from opd_cache.storage.schema import count_rows
 from opd_cache.storage.store import ShardWatch, Store
 
 
 class _RowCounts(dict):
-    """shard id -> rows, with their running total (shards are immutable: each is counted once)."""
+    """shard id -> rows, with their running total and per-version totals (shards are immutable: each is counted
+    once)."""
 
-    total = 0
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+        self.by_version: dict[int, int] = {}
 
     def __setitem__(self, shard_id: str, rows: int) -> None:
-        self.total += rows - self.get(shard_id, 0)
+        change = rows - self.get(shard_id, 0)
+        self.total += change
+        version = parse_shard_id(shard_id)[0]
+        self.by_version[version] = self.by_version.get(version, 0) + change
         super().__setitem__(shard_id, rows)
 
 
 class BacklogGauge:
-    """Rows published by all rollout workers that the trainer has not consumed (nor expired) yet.
+    """Rows published by all rollout workers that the trainer has not consumed (nor expired) yet, and the
+    trainer's schedule read in the same poll.
 
     The first call counts every shard; later calls list only the last `window` versions' partitions (plus the
     `ShardWatch` sweep, which finds a shard published late into an older version), so a poll's cost does not
@@ -33,6 +58,7 @@ class BacklogGauge:
         self.demand: int | None = None  # samples the trainer's remaining steps still lack (None: unknown)
         # a trainer has written train/progress.json and is not DONE: someone consumes the backlog
         self.trainer_running = False
+        self.schedule: TrainSchedule | None = None  # the trainer's (None: pace by count, as before #25)
 
     def backlog(self) -> int:
         latest = self.store.latest_version()
@@ -43,17 +69,38 @@ class BacklogGauge:
                 except (OSError, pa.ArrowInvalid):
                     self.rows[shard.shard_id] = 0  # unreadable: annotate will quarantine it
         progress = self.store.read_progress()
-        self.trainer_running = bool(progress) and not self.store.is_done()
+        done = self.store.is_done()
+        self.trainer_running = bool(progress) and not done
+        # once the trainer is DONE its schedule is over: rows sampled then are for a later run, paced as before
+        self.schedule = None if done else schedule_in(progress, self.store)
         backlog = self.rows.total - int(progress.get("consumed_samples", 0)) - int(progress.get("expired_samples", 0))
         # demand-aware pacing (issue #14): what the remaining steps train, less what the backlog covers.
         # Expired rows left the backlog above; rows expiring while the trainer waits, it publishes then.
-        # Once the trainer is DONE its demand is met: rows sampled then are for a later run, paced as before.
         needed = progress.get("samples_needed_total")
-        if needed is None or self.store.is_done():
+        if needed is None or done or self.schedule is not None:  # the schedule's rule covers the demand
             self.demand = None
         else:
             self.demand = int(needed) - int(progress.get("trained_samples", 0)) - (backlog - self._quarantined_rows())
         return backlog
+
+    def live_rows(self, in_flight: dict[int, int] | None = None) -> int:
+        """Rows of versions the trainer can still train that it is not done with (schedule only)."""
+        newest = max([*self.rows.by_version, *(in_flight or {})], default=0)
+        return self.schedule.pending_at_or_below(newest, self.rows.by_version, in_flight)
+
+    def prompts_allowed(self, version: int, in_flight_rows: int, n: int, max_buffer_samples: int) -> int | None:
+        """Whole prompts a worker sampling at `version`, with `in_flight_rows` rows of its own not yet published,
+        may sample now (None: no schedule, pace by count). Read after `backlog()`."""
+        schedule = self.schedule
+        if schedule is None:
+            return None
+        in_flight = {version: in_flight_rows} if in_flight_rows else {}
+        pending = schedule.pending_at_or_below(version, self.rows.by_version, in_flight)
+        allowed = schedule.prompts_allowed(version, pending, n)
+        if allowed is None:
+            return None
+        room = (max_buffer_samples - self.live_rows(in_flight)) // n  # the backlog bounded in samples too
+        return max(0, min(allowed, room))
 
     def _quarantined_rows(self) -> int:
         """Rows of counted shards moved to quarantine/ (damaged): never trained, so no coverage (one LIST)."""

@@ -12,11 +12,12 @@ The worker loop, top to bottom:
    (even after SIGKILL) neither repeats nor skips prompts. Nothing else holds
    state: there is no side file to get out of sync with the shards.
 4. Loop: reload the weights when a newer version is published; wait while the
-   unconsumed backlog exceeds `max_buffer_samples`, or covers all the trainer's
-   remaining steps need (`samples_needed_total` in its progress), or the loaded
+   trainer's schedule admits no prompt at the loaded version (pacing.py, issue
+   #25; without a schedule: while the unconsumed backlog exceeds
+   `max_buffer_samples` or covers the trainer's remaining demand), or the loaded
    version is more than `max_staleness` behind; sample the next batch of prompts
-   (no more than that demand); publish a shard every `flush_rows` rows or
-   `flush_seconds` seconds.
+   (no more than admitted); publish a shard every `flush_rows` rows or
+   `flush_seconds` seconds, and at once when nothing more is admitted.
 5. Stop after `max_samples` / `max_shards` (totals for this worker, so a
    restart with the same command finishes the job instead of redoing it), at
    the trainer's `train/DONE` with `follow`, on SIGINT/SIGTERM (the CLI sets
@@ -189,6 +190,7 @@ class RolloutWorker:
     # the loop's state: pacing, the rows waiting to be published, reporting
     backlog_gauge: BacklogGauge  # unconsumed rows and the trainer's remaining demand (pacing.py)
     backlog: int  # the gauge's last reading
+    admitted: int | None  # prompts the trainer's schedule admits now (None: no schedule, pace by count)
     agent: AgentSampler | None  # rollout.agent: conversations with an environment (agent.py); None: single-turn
     buffer: ShardBuffer | AgentShardBuffer
     prompts_per_shard: int  # a shard holds whole prompts: ceil(flush_rows / n)
@@ -255,8 +257,9 @@ class RolloutWorker:
             )
 
         # The loop's state: pacing, the buffer of rows, what this call publishes, the progress display.
-        self.backlog_gauge = BacklogGauge(store)
+        self.backlog_gauge = BacklogGauge(store, window=max(4, self.max_staleness + 2))
         self.backlog = 0
+        self.admitted = None
         self.buffer = AgentShardBuffer() if self.agent else ShardBuffer(self.student_topk)
         self.prompts_per_shard = math.ceil(cfg.flush_rows / cfg.n)
         self.result = RolloutResult(
@@ -344,9 +347,15 @@ class RolloutWorker:
         return self.prompt_limit is not None and self.cursor >= self.prompt_limit
 
     def must_wait(self) -> bool:
-        """Too far ahead of the trainer: backlog over the buffer, policy too stale, or demand covered."""
+        """Too far ahead of the trainer: the trainer's schedule admits no prompt at this version (#25), or
+        without a schedule the backlog is over the buffer or covers the demand; or the policy is too stale."""
         self.backlog = self.backlog_gauge.backlog()
         too_stale = is_too_stale(self.version, self.store.latest_version(), self.max_staleness)
+        self.admitted = self.backlog_gauge.prompts_allowed(
+            self.version, len(self.buffer), self.cfg.n, self.cfg.max_buffer_samples
+        )
+        if self.admitted is not None:
+            return too_stale or self.admitted == 0
         # one pass over the prompts (no limit, no --follow), before any trainer: nothing would ever consume the
         # backlog, so waiting on it would never end (the README's stages run one after another)
         paced = self.prompt_limit is None or self.backlog_gauge.trainer_running
@@ -354,6 +363,8 @@ class RolloutWorker:
 
     def demand_covered(self) -> bool:
         """The published rows and this worker's buffer cover all the trainer's remaining steps still need."""
+        if self.admitted is not None:
+            return self.admitted == 0  # the schedule admits nothing more now: what is buffered is all that comes
         demand = self.backlog_gauge.demand
         return demand is not None and demand - len(self.buffer) <= 0
 
@@ -394,6 +405,8 @@ class RolloutWorker:
             count = min(count, math.ceil((cfg.max_samples - self.total_samples) / cfg.n))
         if self.prompt_limit is not None:
             count = min(count, self.prompt_limit - self.cursor)
+        if self.admitted is not None:  # admission by the trainer's schedule (pacing.py)
+            count = min(count, self.admitted)
         if self.backlog_gauge.demand is not None:  # no more prompts than the trainer's remaining demand
             count = min(count, math.ceil((self.backlog_gauge.demand - len(buffer)) / cfg.n))
         positions = self.stream.take(self.cursor, count)

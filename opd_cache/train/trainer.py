@@ -43,6 +43,7 @@ from opd_cache.train.objective import DistillationObjective
 from opd_cache.train.optim import build_optimizer, learning_rate, low_precision_dtype
 from opd_cache.train.publish import PolicyPublisher
 from opd_cache.train.resume import TrainPosition, load_newest_intact_state, sweep_after_resume
+from opd_cache.train.schedule_report import trainer_schedule
 from opd_cache.train.shard_data import ShardCache, required_teachers
 from opd_cache.train.step_log import StepLog, step_record
 from opd_cache.train.step_stats import StepStats
@@ -407,29 +408,30 @@ class Trainer:
         return torch.autocast(self.env.device.type, dtype=self.low_precision)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _write_progress(self, cursor: StreamCursor) -> None:
+    def _write_progress(self, cursor: StreamCursor, assembled_steps: int | None = None, partial_rows: int = 0) -> None:
+        """The counters, the demand and the schedule (#25; `assembled_steps` None: the optimizer's step)."""
+        schedule = trainer_schedule(
+            self.cfg, self.config.max_staleness, self.position, cursor, assembled_steps, partial_rows
+        )
         write_progress(
             self.store,
             step=self.position.step,
             policy_version=self.position.version,
             cursor=cursor.to_dict(),
-            extra={"samples_needed_total": samples_needed_total(self.cfg)},
+            extra={"samples_needed_total": samples_needed_total(self.cfg), **schedule},
         )  # for pacing
         self._progress_counts = (cursor.trained_samples, cursor.unrouted_samples, cursor.expired_samples)
 
     def _progress_while_waiting(self, stream, then):
-        """The stream's wait hook: publish rows it expired (or took) while the step waits for data.
-
-        Rollout and annotate stop once the unconsumed rows cover the remaining demand; rows that expired
-        during this wait would otherwise count as coverage until the step ends, and the step waits for them.
-        """
+        """The stream's wait hook: publish the rows it expired (or took) while the step waits for data, so that the
+        producers' admission (#25) and demand count them now, not after the step."""
 
         def on_wait() -> None:
             cursor = stream.cursor
             counts = (cursor.trained_samples, cursor.unrouted_samples, cursor.expired_samples)
             # also after a step's write of an older cursor (the stream runs ahead: prefetched batches)
             if counts != self._progress_counts:
-                self._write_progress(cursor)
+                self._write_progress(cursor, stream.assembled_steps, stream.partial_rows)
             if then is not None:
                 then()
 

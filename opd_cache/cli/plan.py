@@ -36,26 +36,17 @@ def spec_from_config(cfg, rollout, annotate, train):
             "assumes it too); give --batch-samples N, the samples a step takes on average"
         )
     return PipelineSpec(
-        rollout=rollout,
-        annotate=annotate,
-        train=train,
-        steps=t.max_steps,
-        batch_samples=t.global_batch_samples,
-        n=cfg.rollout.n,
-        batch_prompts=cfg.rollout.batch_prompts,
-        flush_rows=cfg.rollout.flush_rows,
-        flush_seconds=cfg.rollout.flush_seconds,
-        max_buffer_samples=cfg.rollout.max_buffer_samples,
-        max_staleness=t.max_staleness,
-        publish_every=t.publish_every,
-        prefetch_batches=t.prefetch_batches,
-        save_every=t.save_every,
-        rollout_workers=cfg.run.rollout_workers,
-        annotate_workers=cfg.run.annotate_workers,
-        rollout_poll_s=cfg.rollout.poll_seconds,
-        annotate_poll_s=cfg.annotate.poll_seconds,
-        train_poll_s=t.poll_seconds,
-    )
+        rollout=rollout, annotate=annotate, train=train, steps=t.max_steps, batch_samples=t.global_batch_samples,
+        rollout_poll_s=cfg.rollout.poll_seconds, annotate_poll_s=cfg.annotate.poll_seconds, train_poll_s=t.poll_seconds,
+        **_same_named(cfg.rollout, "n", "batch_prompts", "flush_rows", "flush_seconds", "max_buffer_samples"),
+        **_same_named(t, "max_staleness", "publish_every", "prefetch_batches", "save_every"),
+        **_same_named(cfg.run, "rollout_workers", "annotate_workers"),
+    )  # fmt: skip
+
+
+def _same_named(section, *names: str) -> dict:
+    """The named settings of a config section, as keyword arguments of the PipelineSpec fields of the same name."""
+    return {name: getattr(section, name) for name in names}
 
 
 def run_config_of_store(store_uri: str) -> Path | None:

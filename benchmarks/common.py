@@ -6,6 +6,7 @@ The scripts import it as `common` (a script's own folder is first on sys.path); 
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 from pathlib import Path
@@ -15,6 +16,17 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def benchmark_parser(
+    doc: str, *, quick_help: str, threads: int | None, repeats: int, threads_help: str | None = None
+) -> argparse.ArgumentParser:
+    """A benchmark's argument parser with the flags they share: --quick, --threads, --repeats."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--threads", type=int, default=threads, help=threads_help)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    return parser
 
 
 def child_json(cmd: list[str], what: str) -> dict:

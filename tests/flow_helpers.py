@@ -34,15 +34,15 @@ def finish_tiny_run(folder: Path, *, steps: int = STEPS, batch: int = BATCH) -> 
 
     The rows are all sampled with version 0 before any training, so the run's max_staleness is `steps`: every
     one of them can still train at the last step."""
-    from opd_cache.annotate import annotate
+    from opd_cache.annotate import run_annotate
     from opd_cache.rollout import run_rollout
-    from opd_cache.train.trainer import train
+    from opd_cache.train.trainer import run_train
 
     cfg = load_config(tiny_config(folder, steps=steps, batch=batch, max_staleness=steps))
     store = Store(cfg.store.uri)
     rollout = cfg.rollout.model_copy(update={"max_samples": steps * batch})
-    run_rollout(rollout, store)
-    annotate(store, cfg.annotate, progress=False)
-    result = train(cfg)
+    run_rollout(cfg.model_copy(update={"rollout": rollout}), store)
+    run_annotate(cfg, store)
+    result = run_train(cfg, store)
     assert result.step == steps and store.is_done(), result
     return store, cfg

@@ -39,7 +39,7 @@ def spec_from_config(cfg, rollout, annotate, train):
         rollout=rollout, annotate=annotate, train=train, steps=t.max_steps, batch_samples=t.global_batch_samples,
         rollout_poll_s=cfg.rollout.poll_seconds, annotate_poll_s=cfg.annotate.poll_seconds, train_poll_s=t.poll_seconds,
         **_same_named(cfg.rollout, "n", "batch_prompts", "flush_rows", "flush_seconds", "max_buffer_samples"),
-        **_same_named(t, "max_staleness", "publish_every", "prefetch_batches", "save_every"),
+        max_staleness=cfg.max_staleness, **_same_named(t, "publish_every", "prefetch_batches", "save_every"),
         **_same_named(cfg.run, "rollout_workers", "annotate_workers"),
     )  # fmt: skip
 

@@ -30,7 +30,6 @@ Results: tables on stdout and benchmarks/results/bench_annotate.json.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
 import tempfile
@@ -43,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import write_results
+from common import benchmark_parser, write_results
 
 from opd_cache.annotate import Annotator
 from opd_cache.annotate.hf_score import HFScorer, plan_batches
@@ -263,8 +262,13 @@ def print_tables(report: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a smoke run")
+    parser = benchmark_parser(
+        __doc__,
+        quick_help="a smoke run",
+        threads=None,
+        repeats=3,
+        threads_help="torch threads (default: torch's choice)",
+    )
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--shards", type=int, default=6)
     parser.add_argument("--rows", type=int, default=32)
@@ -272,8 +276,6 @@ def main() -> None:
     parser.add_argument("--response-len", type=int, default=192)
     parser.add_argument("--top-k", type=int, default=32)
     parser.add_argument("--max-tokens-per-batch", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--storage-shards", type=int, default=2)
     args = parser.parse_args()
     if args.quick:

@@ -48,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import child_json, write_results
+from common import child_json, naive_topk_kl, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "bench_losses.json"
@@ -73,17 +73,6 @@ def make_inputs(n: int, vocab: int, hidden: int, seed: int = 0):
     return h, w, ids, logprobs, weights
 
 
-def naive_loss(h, w, ids, logprobs, weights):
-
-    logq = (h @ w.t()).log_softmax(-1)
-    logq_support = logq.gather(1, ids)
-    logq_tail = logq.scatter(1, ids, float("-inf")).logsumexp(-1)
-    p = logprobs.exp()
-    p_tail = (1.0 - p.sum(1)).clamp_min(1e-12)
-    kl = (p * (logprobs - logq_support)).sum(1) + p_tail * (p_tail.log() - logq_tail)
-    return (weights * kl).sum()
-
-
 def current_rss_kb() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
@@ -99,7 +88,7 @@ def run_variant(variant: str, n: int, vocab: int, hidden: int, chunk_size: int, 
 
     def step(h, w, ids, logprobs, weights):
         if variant == "naive":
-            loss = naive_loss(h, w, ids, logprobs, weights)
+            loss = naive_topk_kl(h, w, ids, logprobs, weights)
         elif variant == "materialised":
             loss = (weights * token_losses(h @ w.t(), ids, logprobs)).sum()
         else:

@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import child_json, write_results
+from common import benchmark_parser, child_json, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "bench_rollout.json"
@@ -76,6 +76,9 @@ def run_generate(args) -> dict:
     pad, eos = spec["pad_token_id"], spec["eos_token_id"]
     start, cpu_start = time.perf_counter(), cpu_seconds()
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa").eval()
+    # Plain sampling from the full distribution (no top-k / top-p cut), as the rollout side samples.
+    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    outputs = dict(max_new_tokens=max_new, num_return_sequences=n, pad_token_id=pad, eos_token_id=eos)  # per prompt
     tokens = 0
     torch.manual_seed(0)
     for b in range(0, len(prompts), spec["batch_prompts"]):
@@ -84,18 +87,7 @@ def run_generate(args) -> dict:
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=max_new,
-                num_return_sequences=n,
-                pad_token_id=pad,
-                eos_token_id=eos,
-            )
+            out = model.generate(input_ids=ids, attention_mask=mask, **sampling, **outputs)
         new = out[:, width:]
         is_eos = (new == eos).int()
         # a row's response runs up to and including its first EOS
@@ -195,14 +187,11 @@ def measure(side: str, spec: Path, threads: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, one round")
+    parser = benchmark_parser(__doc__.splitlines()[0], quick_help="small sizes, one round", threads=1, repeats=5)
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--batch-prompts", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--side", choices=["generate", "rollout"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -23,6 +23,7 @@ _NAMES = {
     "save_causal_lm": "opd_cache.models",
     "HFGenerator": "opd_cache.rollout.hf_generate",
     "resolve_attn_implementation": "opd_cache.rollout.hf_generate",
+    "right_pad": "opd_cache.rollout.hf_generate",
     "layout": "opd_cache.storage",
     "Store": "opd_cache.storage.store",
     "write_synthetic_store": "opd_cache.testing",

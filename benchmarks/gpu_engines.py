@@ -30,16 +30,11 @@ FP32_MAX_BOUND = 1e-3  # nats: max |behavior - forward| in float32 (the CPU tier
 
 
 @torch.inference_mode()
-def forward_logprobs(model, prompts: list[list[int]], responses: list, device) -> list[torch.Tensor]:
+def forward_logprobs(api, model, prompts: list[list[int]], responses: list, device) -> list[torch.Tensor]:
     """Log-probs [R_i, V] predicting each response token, from one right-padded forward of prompt + response."""
     rows = [list(p) + [int(t) for t in r] for p, r in zip(prompts, responses)]
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row)
-        mask[i, : len(row)] = 1
-    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+    ids, mask = api.right_pad(rows, device)
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()
     return [
         torch.log_softmax(logits[i, len(p) - 1 : len(p) - 1 + len(r)], -1)
         for i, (p, r) in enumerate(zip(prompts, responses))
@@ -60,7 +55,7 @@ def behavior_parity(api, student: Path, dtype: str, device, prompts, new_tokens:
     tokens = sum(len(r.token_ids) for r in responses)
     record.figure(f"rollout {dtype} generate", round(tokens / seconds), "tokens/s",
                   f"{len(prompts)} prompts x {new_tokens} new tokens, {seconds:.2f} s")  # fmt: skip
-    expected = forward_logprobs(generator.model, prompts, [r.token_ids for r in responses], device)
+    expected = forward_logprobs(api, generator.model, prompts, [r.token_ids for r in responses], device)
     diffs = []
     for r, lp in zip(responses, expected):
         got = torch.as_tensor(r.logprobs, device=device)
@@ -108,7 +103,7 @@ def annotate(api, student, device, sizes, record, prompts, responses):
     seconds = time.perf_counter() - start
     record.figure("annotate bf16 score", round(scores.num_tokens / seconds), "tokens/s",
                   f"top-{k} of {scores.num_tokens:,} response tokens, {seconds:.2f} s")  # fmt: skip
-    direct = torch.cat(forward_logprobs(scorer.model, prompts, [r.token_ids for r in responses], device))
+    direct = torch.cat(forward_logprobs(api, scorer.model, prompts, [r.token_ids for r in responses], device))
     top = direct.topk(k, dim=-1)
     got_ids = torch.as_tensor(scores.topk_ids, device=device).long()
     agree = (got_ids[:, :, None] == top.indices[:, None, :]).any(-1).float().mean()

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 
 import torch
+from common import naive_topk_kl
 from gpu_measure import median_time, peak_memory
 
 TOP_K = 20
@@ -44,16 +45,6 @@ def make_inputs(n: int, vocab: int, hidden: int, device: torch.device, seed: int
     return dict(h=h, w=w, ids=ids, logprobs=logprobs, weights=weights)
 
 
-def naive_loss(h, w, ids, logprobs, weights):
-    logq = (h @ w.t()).float().log_softmax(-1)
-    logq_support = logq.gather(1, ids)
-    logq_tail = logq.scatter(1, ids, float("-inf")).logsumexp(-1)
-    p = logprobs.exp()
-    p_tail = (1.0 - p.sum(1)).clamp_min(1e-12)
-    kl = (p * (logprobs - logq_support)).sum(1) + p_tail * (p_tail.log() - logq_tail)
-    return (weights * kl).sum()
-
-
 def variant_step(variant: str, x: dict, api, chunk_size: int):
     """A zero-argument forward+backward of `variant` on inputs `x`; returns the loss (detached)."""
     kl, jsd = api.LossConfig(chunk_size=chunk_size), api.LossConfig(divergence="jsd", beta=0.5, chunk_size=chunk_size)
@@ -66,7 +57,7 @@ def variant_step(variant: str, x: dict, api, chunk_size: int):
     def step():
         h.grad = w.grad = None
         if variant == "naive":
-            loss = naive_loss(h, w, ids, lps, weights)
+            loss = naive_topk_kl(h, w, ids, lps, weights)
         elif variant == "materialised":
             loss = (weights * api.token_losses(h @ w.t(), ids, lps, kl)).sum()
         elif variant in ("fused", "fused_tf32"):

@@ -57,7 +57,7 @@ def mean_square_length(sizes: dict) -> float:
 def train_config(api, store, sizes: dict, device: torch.device):
     return api.load_config(None, overrides={
         "store.uri": store.uri, "train.max_steps": sizes["steps"], "train.global_batch_samples": sizes["batch"],
-        "train.micro_batch_tokens": sizes["micro"], "train.max_staleness": 100, "train.lr": 1e-5,
+        "train.micro_batch_tokens": sizes["micro"], "max_staleness": 100, "train.lr": 1e-5,
         "train.publish_every": 1000, "train.save_every": 1000, "train.publish_dtype": "bfloat16",
         "train.keep_versions": 1, "train.keep_states": 1, "train.device": device.type,
         "train.mixed_precision": "auto", "train.poll_seconds": 0.1,

@@ -22,6 +22,9 @@ import torch
 if TYPE_CHECKING:
     from opd_cache.config import SamplingConfig
 
+# One array per row of a batch: token ids [len], or a row's support ids [len, k_s].
+RowArrays = Sequence[np.ndarray]
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

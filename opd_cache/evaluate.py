@@ -29,7 +29,7 @@ from opd_cache.engine import Response, SampleRequest, resolve_device
 from opd_cache.models import load_causal_lm
 from opd_cache.observe.metrics import MetricsLog
 from opd_cache.observe.tracking import eval_metrics
-from opd_cache.rollout.hf_generate import HFGenerator
+from opd_cache.rollout.hf_generate import HFGenerator, right_pad
 from opd_cache.storage import layout
 from opd_cache.storage.retention import VersionHold
 from opd_cache.storage.store import Store
@@ -76,13 +76,7 @@ def sequence_kl(
     for start in range(0, len(responses), batch_size):
         batch = range(start, min(start + batch_size, len(responses)))
         seqs = [list(prompt_ids[i]) + responses[i].token_ids.tolist() for i in batch]
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for row, s in enumerate(seqs):
-            ids[row, : len(s)] = torch.tensor(s)
-            mask[row, : len(s)] = 1
-        ids, mask = ids.to(device), mask.to(device)
+        ids, mask = right_pad(seqs, device)
         s_logits = student(input_ids=ids, attention_mask=mask).logits.float()
         t_logits = teacher(input_ids=ids, attention_mask=mask).logits.float()
         vocab = min(s_logits.shape[-1], t_logits.shape[-1])  # padded embedding rows are not tokens

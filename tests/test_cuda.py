@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from opd_cache.losses import LossConfig, fused_token_losses, token_losses
-from tests.test_fused_losses import CHUNKS, MODES, chunked, make_options, reference, untied_problem
+from tests.test_fused_losses import (
+    MODES,
+    check_fused_against_reference,
+    chunked,
+    make_options,
+    reference,
+    untied_problem,
+)
 from tests.test_losses import TOPK_MODES, naive_bucket, student, teacher_topk
 from tests.test_trainer import config, final_weights, make_store, metrics, teacher  # noqa: F401
 
@@ -50,19 +57,7 @@ def close(cuda_value: torch.Tensor, cpu_value: torch.Tensor, tol: float = 1e-4) 
 # ---------------------------------------------------------------- losses
 @pytest.mark.parametrize("mode", list(MODES))
 def test_fused_on_cuda_equals_materialised_on_cpu(mode):
-    options = make_options(mode)
-    hidden, weight, weights = untied_problem()
-    ref_loss, ref_per_token = reference(hidden, weight, weights, options)
-    ref_grads = torch.autograd.grad(ref_loss, [hidden, weight])
-    h, w = leaf(hidden, CUDA), leaf(weight, CUDA)
-    for chunk in CHUNKS:
-        loss, per_token = fused_token_losses(h, w, token_weights=weights.to(CUDA), **to_cuda(chunked(options, chunk)))
-        grads = torch.autograd.grad(loss, [h, w])
-        assert loss.device.type == per_token.device.type == "cuda"
-        close(loss, ref_loss)
-        close(per_token, ref_per_token)
-        close(grads[0], ref_grads[0])
-        close(grads[1], ref_grads[1])
+    check_fused_against_reference(mode, CUDA, close)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

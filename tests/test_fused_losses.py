@@ -83,20 +83,27 @@ def close(a, b):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_fused_equals_materialised_untied(mode):
+def check_fused_against_reference(mode: str, device, close) -> None:
+    """fused_token_losses on `device` equals the materialised reference on the CPU at every chunk size:
+    loss, per-token losses (detached) and both gradients, compared by `close(on_device, on_cpu)`."""
     options = make_options(mode)
     hidden, weight, weights = untied_problem()
     ref_loss, ref_per_token = reference(hidden, weight, weights, options)
     ref_grads = torch.autograd.grad(ref_loss, [hidden, weight])
+    h, w = (t.detach().to(device).requires_grad_() for t in (hidden, weight))
+    on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
     for chunk in CHUNKS:
-        loss, per_token = fused_token_losses(hidden, weight, token_weights=weights, **chunked(options, chunk))
-        grads = torch.autograd.grad(loss, [hidden, weight])
-        close(loss, ref_loss)
-        close(per_token, ref_per_token.detach())
+        loss, per_token = fused_token_losses(h, w, token_weights=weights.to(device), **chunked(on_device, chunk))
+        grads = torch.autograd.grad(loss, [h, w])
+        assert loss.device == per_token.device == h.device
         assert not per_token.requires_grad
-        close(grads[0], ref_grads[0])
-        close(grads[1], ref_grads[1])
+        for got, want in zip((loss, per_token, *grads), (ref_loss, ref_per_token, *ref_grads)):
+            close(got.detach().cpu(), want.detach())
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fused_equals_materialised_untied(mode):
+    check_fused_against_reference(mode, torch.device("cpu"), close)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -14,36 +14,28 @@ from opd_cache.config import AnnotateConfig
 from opd_cache.engine import Scorer
 
 
+def _settings(cfg: AnnotateConfig, *names: str) -> dict:
+    """The named `annotate` settings, as keyword arguments of the engine's constructor (same names)."""
+    return {name: getattr(cfg, name) for name in names}
+
+
 def hf_scorer(cfg: AnnotateConfig, top_k: int, vocab_size: int) -> Scorer:
     """transformers (annotate/hf_score.py), CPU or GPU: batches packed by padded tokens, the head in chunks."""
     from opd_cache.annotate.hf_score import HFScorer
 
-    return HFScorer.load(
-        cfg.teacher,
-        model_dtype=cfg.model_dtype,
-        device=cfg.device,
-        attn_implementation=cfg.attn_implementation,
-        trust_remote_code=cfg.trust_remote_code,
-        max_tokens_per_batch=cfg.max_tokens_per_batch,
-        head_chunk_tokens=cfg.head_chunk_tokens,
-        padding_side=cfg.padding_side,
-        vocab_limit=vocab_size,
-    )
+    settings = _settings(
+        cfg, "model_dtype", "device", "attn_implementation", "trust_remote_code", "max_tokens_per_batch",
+        "head_chunk_tokens", "padding_side",
+    )  # fmt: skip
+    return HFScorer.load(cfg.teacher, vocab_limit=vocab_size, **settings)
 
 
 def vllm_scorer(cfg: AnnotateConfig, top_k: int, vocab_size: int) -> Scorer:
     """vLLM (annotate/vllm_score.py): prompt log-probs, its engine sized for `top_k`."""
     from opd_cache.annotate.vllm_score import VLLMScorer
 
-    return VLLMScorer(
-        cfg.teacher,
-        max_top_k=top_k,
-        model_dtype=cfg.model_dtype,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        trust_remote_code=cfg.trust_remote_code,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        vocab_limit=vocab_size,
-    )
+    settings = _settings(cfg, "model_dtype", "tensor_parallel_size", "trust_remote_code", "gpu_memory_utilization")
+    return VLLMScorer(cfg.teacher, max_top_k=top_k, vocab_limit=vocab_size, **settings)
 
 
 # annotate.engine -> the builder of its Scorer(cfg, top_k, vocab_size)

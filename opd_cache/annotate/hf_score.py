@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from opd_cache.engine import EngineInfo, TeacherScores, hf_engine_info, resolve_device, torch_dtype
+from opd_cache.engine import EngineInfo, RowArrays, TeacherScores, hf_engine_info, resolve_device, torch_dtype
 
 # Elements of one float32 [chunk, vocab] logits block (256 MiB); sets the default chunk of positions.
 HEAD_CHUNK_ELEMENTS = 1 << 26
@@ -120,11 +120,7 @@ class HFScorer:
     # ------------------------------------------------------------------ scoring
     @torch.inference_mode()
     def score(
-        self,
-        prompts: Sequence[np.ndarray],
-        responses: Sequence[np.ndarray],
-        k: int,
-        support_ids: Sequence[np.ndarray] | None = None,
+        self, prompts: RowArrays, responses: RowArrays, k: int, support_ids: RowArrays | None = None
     ) -> TeacherScores:
         """Top-k ids/log-probs and the sampled token's log-prob at every response position.
 

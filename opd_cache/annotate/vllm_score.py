@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from opd_cache.engine import EngineInfo, TeacherScores
+from opd_cache.engine import EngineInfo, RowArrays, TeacherScores
 from opd_cache.vllm_common import start_llm, vllm_engine_info
 
 
@@ -121,11 +121,7 @@ class VLLMScorer:
         return vllm_engine_info(self.llm)
 
     def score(
-        self,
-        prompts: Sequence[np.ndarray],
-        responses: Sequence[np.ndarray],
-        k: int,
-        support_ids: Sequence[np.ndarray] | None = None,
+        self, prompts: RowArrays, responses: RowArrays, k: int, support_ids: RowArrays | None = None
     ) -> TeacherScores:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt

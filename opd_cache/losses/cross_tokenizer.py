@@ -43,9 +43,15 @@ from opd_cache.losses.config import LossConfig
 from opd_cache.losses.diagnostics import _diagnostic_parts, _diagnostics
 from opd_cache.losses.divergences import topk_divergence
 from opd_cache.losses.estimators import _sampled_estimator, pg_loss
-from opd_cache.losses.fused import _is_sharded
-from opd_cache.losses.targets import _check_config, _check_targets, _check_values, _compute_dtype, _has_nan, _Targets
-from opd_cache.losses.vocab import _reduce_vocab, _vocab_grad_, _VocabReduction, _VocabStats
+from opd_cache.losses.fused import (
+    _check_hidden_and_head,
+    _chunked_forward,
+    _fused_chunk,
+    _scaled_grads,
+    _weights_and_grad_needs,
+)
+from opd_cache.losses.targets import _check_config, _check_student_logits, _check_targets, _Targets
+from opd_cache.losses.vocab import _VocabReduction, _VocabStats
 from opd_cache.target_flags import ALL_FLAGS, EXCLUDED, GROUP_END, TOPK_VALID
 
 SPAN_ESTIMATORS = ("k2", "k3", "abs")
@@ -203,14 +209,7 @@ def cross_tokenizer_token_losses(
     diagnostics): `token_losses`'s keys (the top-k ones over TOPK_VALID positions, k1 over groups) plus
     `topk_share` and `span_groups`.
     """
-    if student_logits.dim() != 2 or not student_logits.dtype.is_floating_point:
-        raise ValueError(
-            f"student_logits must be a float [N, V] tensor, got {student_logits.dtype} of shape {tuple(student_logits.shape)}"
-        )
-    if _has_nan(student_logits):
-        raise ValueError("student_logits contains NaN")
-    n, vocab = student_logits.shape
-    dtype = _compute_dtype(student_logits.dtype)
+    n, vocab, dtype = _check_student_logits(student_logits)
     config, targets, groups = _check_inputs(
         config, n, vocab, student_logits.device, dtype, target_flags,
         teacher_topk_ids, teacher_topk_logprobs, sampled_ids, teacher_token_logprobs, behavior_logprobs,
@@ -249,79 +248,39 @@ def _chunk_bounds(boundary_ends: list[int], n: int, chunk_size: int) -> list[tup
     return bounds
 
 
-def _fused_chunk(h, w, t: _Targets, g: _Groups, weights, config, span, need_grad: bool, want_diag: bool):
-    """`fused._fused_chunk` with the hybrid per-token loss: (losses, d(sum w*loss)/d(logits) or None, diag parts)."""
-    logits = h @ w.t()
-    stats, buf, aux, topk_ids = _reduce_vocab(logits, t, overwrite=True, student_topk=t.topk if want_diag else 0)
-    grad_logits = None
-    if need_grad:
-        leaves = [x.detach().requires_grad_() for x in (stats.lse, stats.z_support, stats.lse_tail, stats.z_sampled)]
-        with torch.enable_grad():
-            loss_rows = _per_token(_VocabStats(*leaves), t, g, config, span)
-            grads = torch.autograd.grad((loss_rows * weights).sum(), leaves, allow_unused=True)
-        loss_rows = loss_rows.detach()
-        grad_logits = _vocab_grad_(buf, aux, stats, t, *grads)
-    else:
-        loss_rows = _per_token(stats, t, g, config, span)
-    diag_rows = _diagnostic_values(stats, t, g, loss_rows, topk_ids) if want_diag else None
-    return loss_rows, grad_logits, diag_rows
-
-
 class _FusedCrossTokenizerLosses(torch.autograd.Function):
     """`fused._FusedTokenLosses` over chunks that end at group boundaries, with the hybrid per-token loss."""
 
     @staticmethod
     def forward(ctx, hidden, weight, token_weights, targets, groups, config, span, need_hidden, need_weight, diag_out):
-        dtype = _compute_dtype(hidden.dtype)
-        w = weight if weight.dtype == dtype else weight.to(dtype)
+        def chunk(start: int, end: int, h: Tensor, w: Tensor):
+            t, g = targets.rows(start, end), groups.rows(start, end)
+
+            def per_token(stats: _VocabStats) -> Tensor:
+                return _per_token(stats, t, g, config, span)
+
+            def diagnostic_parts(stats: _VocabStats, losses: Tensor, topk_ids: Tensor | None) -> dict:
+                return _diagnostic_values(stats, t, g, losses, topk_ids)
+
+            want_diag = diagnostic_parts if diag_out is not None else None
+            return _fused_chunk(h, w, t, token_weights[start:end], per_token, want_diag, need_hidden or need_weight)
+
         n = hidden.shape[0]
-        per_token = torch.zeros(n, dtype=dtype, device=hidden.device)
-        grad_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_hidden else None
-        grad_weight = None
-        parts = []
-        boundary_ends = _boundary_ends(groups)
-        for start, end in _chunk_bounds(boundary_ends, n, config.chunk_size):
-            h = hidden[start:end].to(dtype)
-            loss_rows, grad_logits, diag_rows = _fused_chunk(
-                h, w, targets.rows(start, end), groups.rows(start, end), token_weights[start:end], config, span,
-                need_hidden or need_weight, diag_out is not None,
-            )  # fmt: skip
-            if need_hidden:
-                torch.mm(grad_logits, w, out=grad_hidden[start:end])
-            if need_weight and grad_weight is None:
-                grad_weight = grad_logits.t() @ h
-            elif need_weight:
-                grad_weight.addmm_(grad_logits.t(), h)
-            del grad_logits
-            per_token[start:end] = loss_rows
-            if diag_rows is not None:
-                parts.append(diag_rows)
-        loss = (per_token * token_weights).sum()
+        bounds = _chunk_bounds(_boundary_ends(groups), n, config.chunk_size)
+        loss, per_token, parts = _chunked_forward(
+            ctx, hidden, weight, token_weights, bounds, chunk, need_hidden, need_weight
+        )
         if diag_out is not None:
             values = {key: torch.cat([p[key] for p in parts]) for key in parts[0]} if parts else {"loss": per_token}
             values.setdefault("k1", per_token.new_zeros(n))
             diag_out.update(_reduce_diagnostics(values, groups, token_weights != 0))
-        if need_weight and grad_weight is None:
-            grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
-        if grad_weight is not None and weight.dtype != dtype:
-            grad_weight = grad_weight.to(weight.dtype)
-        ctx.grads = (grad_hidden, grad_weight)
-        ctx.hidden_dtype = hidden.dtype
-        ctx.mark_non_differentiable(per_token)
         return loss, per_token
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_per_token):
-        if ctx.grads is None:
-            raise RuntimeError("fused_cross_tokenizer_losses supports one backward pass per forward")
-        grad_hidden, grad_weight = ctx.grads
-        ctx.grads = None
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.mul_(grad_loss).to(ctx.hidden_dtype)
-        if grad_weight is not None:
-            grad_weight = grad_weight.mul_(grad_loss.to(grad_weight.dtype))
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+        grads = _scaled_grads(ctx, grad_loss, "fused_cross_tokenizer_losses")
+        return *grads, None, None, None, None, None, None, None, None
 
 
 def fused_cross_tokenizer_losses(
@@ -346,32 +305,12 @@ def fused_cross_tokenizer_losses(
     `fused_token_losses` when its micro-batch carries `target_flags`. `token_weights` of a group's last
     position weigh its span term.
     """
-    if hidden.dim() != 2 or not hidden.dtype.is_floating_point:
-        raise ValueError(f"hidden must be a float [N, H] tensor, got {hidden.dtype} of shape {tuple(hidden.shape)}")
-    if _is_sharded(lm_head_weight):
-        raise ValueError(
-            "lm_head_weight is a sharded DTensor: call fused_cross_tokenizer_losses inside the forward of the FSDP "
-            "module that owns it (or after module.unshard()), where its parameters are plain tensors"
-        )
-    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"lm_head_weight must be [V, H={hidden.shape[1]}], got shape {tuple(lm_head_weight.shape)}")
-    if _has_nan(hidden):
-        raise ValueError("hidden contains NaN")
-    if _has_nan(lm_head_weight):
-        raise ValueError("lm_head_weight contains NaN")
-    n, vocab = hidden.shape[0], lm_head_weight.shape[0]
-    dtype = _compute_dtype(hidden.dtype)
+    n, vocab, dtype = _check_hidden_and_head(hidden, lm_head_weight, "fused_cross_tokenizer_losses")
     config, targets, groups = _check_inputs(
         config, n, vocab, hidden.device, dtype, target_flags,
         teacher_topk_ids, teacher_topk_logprobs, sampled_ids, teacher_token_logprobs, behavior_logprobs,
     )  # fmt: skip
-    if token_weights is None:
-        token_weights = torch.ones(n, dtype=dtype, device=hidden.device)
-    else:
-        token_weights = _check_values("token_weights", token_weights, (n,), dtype).detach()
-    grad_on = torch.is_grad_enabled()
-    need_hidden = grad_on and hidden.requires_grad
-    need_weight = grad_on and lm_head_weight.requires_grad
+    token_weights, need_hidden, need_weight = _weights_and_grad_needs(token_weights, n, dtype, hidden, lm_head_weight)
     diag = {} if return_diagnostics else None
     loss, per_token = _FusedCrossTokenizerLosses.apply(
         hidden, lm_head_weight, token_weights, targets, groups, config, span, need_hidden, need_weight, diag

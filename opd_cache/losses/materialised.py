@@ -14,7 +14,7 @@ from opd_cache.losses.config import LossConfig
 from opd_cache.losses.diagnostics import _diagnostic_parts, _diagnostics
 from opd_cache.losses.divergences import topk_divergence
 from opd_cache.losses.estimators import sampled_token_loss
-from opd_cache.losses.targets import _check_config, _check_targets, _compute_dtype, _has_nan, _Targets
+from opd_cache.losses.targets import _check_config, _check_student_logits, _check_targets, _Targets
 from opd_cache.losses.vocab import _VocabReduction, _VocabStats
 
 
@@ -50,15 +50,7 @@ def token_losses(
     (per_token, diagnostics) — see `diagnostics._diagnostics`.
     """
     config = _check_config(config)
-    if student_logits.dim() != 2 or not student_logits.dtype.is_floating_point:
-        raise ValueError(
-            f"student_logits must be a float [N, V] tensor, got {student_logits.dtype}"
-            f" of shape {tuple(student_logits.shape)}"
-        )
-    if _has_nan(student_logits):
-        raise ValueError("student_logits contains NaN")
-    n, vocab = student_logits.shape
-    dtype = _compute_dtype(student_logits.dtype)
+    n, vocab, dtype = _check_student_logits(student_logits)
     targets = _check_targets(
         config, n, vocab, student_logits.device, dtype,
         teacher_topk_ids, teacher_topk_logprobs, sampled_ids, teacher_token_logprobs,

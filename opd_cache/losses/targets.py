@@ -93,6 +93,19 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _check_student_logits(student_logits: Tensor) -> tuple[int, int, torch.dtype]:
+    """(N, V, compute dtype) of student logits [N, V], checked: a float matrix without NaN."""
+    if student_logits.dim() != 2 or not student_logits.dtype.is_floating_point:
+        raise ValueError(
+            f"student_logits must be a float [N, V] tensor, got {student_logits.dtype}"
+            f" of shape {tuple(student_logits.shape)}"
+        )
+    if _has_nan(student_logits):
+        raise ValueError("student_logits contains NaN")
+    n, vocab = student_logits.shape
+    return n, vocab, _compute_dtype(student_logits.dtype)
+
+
 def _check_targets(
     config: LossConfig,
     n: int,

@@ -247,7 +247,7 @@ PLOT_CAPTIONS = {
     "top-k (1 = the same candidates, in any order); it is plotted when rollout records the "
     "student's top-k (`rollout.student_topk`).",
     "staleness.png": "How many policy versions behind the trainer each trained row was sampled (bounded by "
-    "`train.max_staleness`).",
+    "the top-level `max_staleness`).",
     "accuracy.png": "Held-out accuracy of each evaluated policy version: strict parses only `#### N`, lenient the "
     "last number; the dotted line is KL(teacher‖student) per token on the right axis.",
     "throughput.png": "Tokens per second of each stage, and the share of each trainer step spent waiting for "

@@ -123,16 +123,27 @@ def _new_cache(model):
         return DynamicCache()
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[B, L]` input ids and attention mask of left-padded prompts."""
-    width = max(len(p) for p in prompts)
-    ids = np.full((len(prompts), width), pad_id, dtype=np.int64)
-    mask = np.zeros((len(prompts), width), dtype=np.int64)
-    for row, prompt in enumerate(prompts):
-        if len(prompt):
-            ids[row, width - len(prompt) :] = prompt
-            mask[row, width - len(prompt) :] = 1
+def _pad(rows: Sequence[Sequence[int]], pad_id: int, device, *, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[B, L]` input ids and attention mask of `rows` padded to the longest, on the left or the right."""
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
+    for i, tokens in enumerate(rows):
+        if len(tokens):
+            cols = slice(width - len(tokens), width) if left else slice(0, len(tokens))
+            ids[i, cols] = tokens
+            mask[i, cols] = 1
     return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[B, L]` input ids and attention mask of left-padded prompts (generation continues on the right)."""
+    return _pad(prompts, pad_id, device, left=True)
+
+
+def right_pad(rows: Sequence[Sequence[int]], device, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[B, L]` input ids and attention mask of right-padded sequences, for a teacher-forced forward."""
+    return _pad(rows, pad_id, device, left=False)
 
 
 def _stop_string_window(stop: Sequence[str]) -> int:

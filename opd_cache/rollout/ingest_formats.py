@@ -22,6 +22,7 @@ in `input`: such rows are re-tokenized text, not the ids verl sampled.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -64,17 +65,14 @@ class PendingRow:
     extra: str | None = None
 
     def writer_fields(self) -> dict:
-        """The keyword arguments of RolloutWriter.append besides ids and log-probs."""
-        return dict(
-            loss_mask=self.loss_mask,
-            turn_index=self.turn_index,
-            finish_reason=self.finish_reason,
-            prompt_index=self.prompt_index,
-            sample_index=self.sample_index,
-            data_source=self.data_source,
-            ground_truth=self.ground_truth,
-            extra=self.extra,
-        )
+        """The keyword arguments of RolloutWriter.append besides ids and log-probs: every other field by name."""
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _ROW_ARRAYS_AND_VERSION
+        }
+
+
+# PendingRow fields that RolloutWriter.append takes positionally (the arrays) or per shard (the version).
+_ROW_ARRAYS_AND_VERSION = ("prompt_ids", "response_ids", "behavior_logprobs", "policy_version")
 
 
 def parse_line(obj: Any, where: str, context: IngestContext) -> PendingRow:

@@ -45,6 +45,8 @@ RESUME_VERSIONS = 8  # partitions a restarted worker looks at before it lists th
 
 @dataclass
 class ResumePoint:
+    """Where a restarted worker goes on: its next shard seq, prompt cursor and sample count."""
+
     next_seq: int = 0
     cursor: int = 0
     samples: int = 0

@@ -1,14 +1,12 @@
 """Shared dataset storage: the only thing the three stages have in common.
 
-`Store` is a `FileStore` (opd_cache/storage/filestore.py: atomic writes and create-if-absent over `pyarrow.fs`, local and
-object stores alike) that knows the run's layout (opd_cache/storage/layout.py names every path): shards and their
-listings (opd_cache/storage/listing.py), the run manifest (opd_cache/storage/manifest.py), policy versions, the trainer's status
-files and quarantine. Callers name files with layout.py's functions and never ask whether the store is a local
-directory: FileStore's methods say what they need (`local_dir`, `appends_in_place`, `atomic_create`, ...).
-
-Integrity (opd_cache/storage/integrity.py): shards end with an xxh3-64 trailer, checkpoint folders hold
-`_CHECKSUMS.json` (written before `_COMPLETE`); `read_buffer` hands readers a whole file in one read so
-they can verify it before use, and `verify_folder` checks a folder against its manifest.
+`Store` is a `FileStore` (filestore.py: atomic writes and create-if-absent over `pyarrow.fs`, local and object
+stores alike; its docstring says how files are made atomic and verified) that knows the run's layout (layout.py
+names every path): shards and their listings (`store.shards`, listing.py), the run manifest (`store.manifest`,
+manifest.py), policy versions, the trainer's status files and quarantine. Callers name files with layout.py's
+functions and never ask whether the store is a local directory: FileStore's methods say what they need
+(`local_dir`, `appends_in_place`, `atomic_create`, ...). Checkpoint folders get their `_CHECKSUMS.json`
+(integrity.py) here, before `_COMPLETE`.
 """
 
 from __future__ import annotations

@@ -19,13 +19,13 @@ from opd_cache.storage import layout
 from opd_cache.storage.schema import ROLLOUT, ShardError, check_annotation_matches, read_shard, write_shard
 from opd_cache.storage.store import Store, make_shard_id
 from opd_cache.testing import write_synthetic_shard
-from opd_cache.tokenizer import tokenizer_fingerprint
 from opd_cache.train import run_train
 from opd_cache.train.microbatch import decode_rows
 from opd_cache.train.objective import DistillationObjective
 from opd_cache.train.shard_data import ShardCache, required_teachers
 from opd_cache.train.stream import assign_ranks
 from tests.test_train_stream import make_stream
+from tests.test_trainer import make_store
 
 V, K = 32, 4
 
@@ -42,6 +42,22 @@ def conversation(rng, first: int, tool: int, second: int) -> tuple[np.ndarray, n
     ids = rng.integers(1, V, size=first + tool + second)
     mask = np.array([1] * first + [0] * tool + [1] * second, dtype=np.uint8)
     return ids, mask
+
+
+def write_rows(store, run, shard_id: str, responses: list, loss_masks: list | None = None, **fields) -> dict:
+    """A synthetic shard of these responses (one row each) in this file's vocabulary and top-k; `fields`: more of
+    `write_synthetic_shard`'s arguments (teachers, seed, prompts, annotate)."""
+    return write_synthetic_shard(
+        store,
+        run,
+        shard_id,
+        num_rows=len(responses),
+        vocab_size=V,
+        top_k=K,
+        responses=responses,
+        loss_masks=loss_masks,
+        **fields,
+    )
 
 
 def decode_all(cache, shard_id, rows, aggregation="token-mean"):
@@ -62,16 +78,7 @@ def test_decode_scatters_annotations_to_trained_positions(local_store, run):
     rng = np.random.default_rng(0)
     pairs = [conversation(rng, 3, 4, 5), conversation(rng, 2, 6, 1), (rng.integers(1, V, size=7), None)]
     shard_id = make_shard_id(0, "w00", 0)
-    arrays = write_synthetic_shard(
-        local_store,
-        run,
-        shard_id,
-        num_rows=3,
-        vocab_size=V,
-        top_k=K,
-        responses=[ids for ids, _ in pairs],
-        loss_masks=[mask for _, mask in pairs],
-    )
+    arrays = write_rows(local_store, run, shard_id, [ids for ids, _ in pairs], [mask for _, mask in pairs])
     rollout, _ = read_shard(local_store, layout.rollout_path(shard_id), kind=ROLLOUT)
     part, _ = read_shard(local_store, layout.annotated_path(shard_id, "teacher"))
     assert [len(x) for x in part["teacher_token_logprob"].to_pylist()] == [8, 3, 7]  # trained positions only
@@ -109,12 +116,10 @@ def test_annotation_of_the_wrong_length_is_refused(local_store, run):
     ids, mask = conversation(rng, 3, 4, 5)
     shard_id = make_shard_id(0, "w00", 0)
     # a part written with an entry per response token (the old rule) does not match a masked row
-    write_synthetic_shard(local_store, run, shard_id, num_rows=1, vocab_size=V, top_k=K, responses=[ids])
+    write_rows(local_store, run, shard_id, [ids])
     part, _ = read_shard(local_store, layout.annotated_path(shard_id, "teacher"))
     other = make_shard_id(0, "w00", 1)
-    write_synthetic_shard(
-        local_store, run, other, num_rows=1, vocab_size=V, top_k=K, responses=[ids], loss_masks=[mask], annotate=False
-    )
+    write_rows(local_store, run, other, [ids], [mask], annotate=False)
     rollout, _ = read_shard(local_store, layout.rollout_path(other))
     with pytest.raises(ShardError, match=r"row 0 has 12 teacher positions but its response has 8 tokens to train"):
         check_annotation_matches(rollout, part.set_column(0, "sample_id", rollout["sample_id"]), "part")
@@ -153,17 +158,7 @@ def test_tool_tokens_get_zero_gradient_and_trained_tokens_match_a_hand_computati
     rng = np.random.default_rng(2)
     ids, mask = conversation(rng, 4, 5, 6)
     shard_id = make_shard_id(0, "w00", 0)
-    arrays = write_synthetic_shard(
-        local_store,
-        run,
-        shard_id,
-        num_rows=1,
-        vocab_size=V,
-        top_k=K,
-        teachers={"teacher": teacher},
-        responses=[ids],
-        loss_masks=[mask],
-    )
+    arrays = write_rows(local_store, run, shard_id, [ids], [mask], teachers={"teacher": teacher})
     mb = decode_all(ShardCache(local_store, run, required_teachers(run)), shard_id, [0])
     objective = DistillationObjective(student, LossConfig(divergence="forward_kl", tail="bucket"))
     loss, hidden_grad, grads = _hidden_grad(student, objective, mb)
@@ -200,32 +195,10 @@ def test_masked_row_trains_as_the_equivalent_single_turn_row(local_store, run):
     ids, _ = conversation(rng, 3, 4, 5)
     mask = np.array([0] * 7 + [1] * 5, dtype=np.uint8)
     multi = make_shard_id(0, "w00", 0)
-    arrays = write_synthetic_shard(
-        local_store,
-        run,
-        multi,
-        num_rows=1,
-        vocab_size=V,
-        top_k=K,
-        seed=4,
-        teachers={"teacher": teacher},
-        responses=[ids],
-        loss_masks=[mask],
-    )
+    arrays = write_rows(local_store, run, multi, [ids], [mask], seed=4, teachers={"teacher": teacher})
     single = make_shard_id(0, "w00", 1)
     prompt = np.r_[arrays["prompts"][0], ids[:7]]
-    write_synthetic_shard(
-        local_store,
-        run,
-        single,
-        num_rows=1,
-        vocab_size=V,
-        top_k=K,
-        seed=4,
-        teachers={"teacher": teacher},
-        prompts=[prompt],
-        responses=[ids[7:]],
-    )
+    write_rows(local_store, run, single, [ids[7:]], seed=4, teachers={"teacher": teacher}, prompts=[prompt])
     cache = ShardCache(local_store, run, required_teachers(run))
     objective = DistillationObjective(student, LossConfig(divergence="forward_kl", tail="bucket"))
     mb_multi, mb_single = decode_all(cache, multi, [0]), decode_all(cache, single, [0])
@@ -240,33 +213,20 @@ def test_masked_row_trains_as_the_equivalent_single_turn_row(local_store, run):
 # ------------------------------------------------------------------ whole training runs
 def _store(root, student_path, tokenizer, teacher, *, masks: bool, shards: int = 2) -> Store:
     store = Store(root)
-    run = store.manifest.ensure(
-        student=str(student_path),
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-        vocab_size=len(tokenizer),
-        top_k=K,
-        teachers={"teacher": "tiny-teacher"},
-    )
-    behavior = load_causal_lm(student_path)
     rng = np.random.default_rng(11)
     for seq in range(shards):
-        responses, loss_masks = [], []
-        for _ in range(16):
-            ids, mask = conversation(rng, 4, 5, 6)
-            responses.append(ids % len(tokenizer))
-            loss_masks.append(mask)
-        write_synthetic_shard(
+        conversations = [conversation(rng, 4, 5, 6) for _ in range(16)]
+        make_store(
             store,
-            run,
-            make_shard_id(0, "w00", seq),
-            num_rows=16,
-            vocab_size=len(tokenizer),
+            student_path,
+            tokenizer,
+            teacher,
+            shards=1,
+            rows=16,
+            seq0=seq,
             top_k=K,
-            seed=seq,
-            teachers={"teacher": teacher},
-            behavior=behavior,
-            responses=responses,
-            loss_masks=loss_masks if masks else None,
+            responses=[ids % len(tokenizer) for ids, _ in conversations],
+            loss_masks=[mask for _, mask in conversations] if masks else None,
         )
     return store
 
@@ -334,16 +294,7 @@ def test_export_places_teacher_entries_with_the_mask(local_store, run):
     rng = np.random.default_rng(5)
     pairs = [conversation(rng, 3, 4, 5), (rng.integers(1, V, size=6), None)]
     shard_id = make_shard_id(0, "w00", 0)
-    write_synthetic_shard(
-        local_store,
-        run,
-        shard_id,
-        num_rows=2,
-        vocab_size=V,
-        top_k=K,
-        responses=[ids for ids, _ in pairs],
-        loss_masks=[mask for _, mask in pairs],
-    )
+    write_rows(local_store, run, shard_id, [ids for ids, _ in pairs], [mask for _, mask in pairs])
     batch = teacher_batch(local_store, run, shard_id, "teacher", tokenizer=None)
     part, _ = read_shard(local_store, layout.annotated_path(shard_id, "teacher"))
     assert batch.column("loss_mask").to_pylist() == [pairs[0][1].tolist(), [1] * 6]

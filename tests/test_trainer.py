@@ -64,17 +64,18 @@ def make_store(
     version: int = 0,
     seq0: int = 0,
     run_extra: dict | None = None,
+    top_k: int = K,
     **shard_fields,
 ) -> Store:
-    """`shards` synthetic shards of `rows` rows, annotated by `teacher`, sampled by the student (behavior log-probs
-    of `student_path`) at policy `version`, added to the store at `root` (its run.json written or checked first);
-    `shard_fields`: more of `write_synthetic_shard`'s arguments (ground truth, group size, ...)."""
+    """`shards` synthetic shards of `rows` rows, annotated by `teacher` (its `top_k` entries), sampled by the student
+    (behavior log-probs of `student_path`) at policy `version`, added to the store at `root` (its run.json written or
+    checked first); `shard_fields`: more of `write_synthetic_shard`'s arguments (ground truth, group size, ...)."""
     store = root if isinstance(root, Store) else Store(root)
     run = store.manifest.ensure(
         student=str(student_path),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         vocab_size=len(tokenizer),
-        top_k=K,
+        top_k=top_k,
         teachers={"teacher": "tiny-teacher"},
         **(run_extra or {}),
     )
@@ -86,7 +87,7 @@ def make_store(
             make_shard_id(version, "w00", seq),
             num_rows=rows,
             vocab_size=len(tokenizer),
-            top_k=K,
+            top_k=top_k,
             seed=1000 * version + seq,
             teachers={"teacher": teacher},
             behavior=behavior,

@@ -44,23 +44,17 @@ def add_rows(store, version: int, rows: int, seq: int = 0, worker: str = "w00") 
     return shard_id
 
 
+def admission_schedule(**fields) -> TrainSchedule:
+    """The admission tests' run: 100 steps of 8 rows, a version every step, staleness 1; `fields` change it."""
+    return TrainSchedule(**{"max_steps": 100, "publish_every": 1, "max_staleness": 1, "batch_samples": 8, **fields})
+
+
 # ---------------------------------------------------------------- rollout: how many prompts a call may take
 def test_rollout_admits_by_the_schedule_with_publish_every_two(student_store):
     store = student_store
     add_rows(store, 0, 16)  # 8 of them trained (done_rows), 8 pending
     # P = 2, S = 1, B = 8: rows of version 0 train until step s_max(0) = (0 + 1 + 1)·2 = 4
-    set_schedule(
-        store,
-        TrainSchedule(
-            max_steps=100,
-            publish_every=2,
-            max_staleness=1,
-            batch_samples=8,
-            assembled_steps=1,
-            trained_samples=8,
-            done_rows={0: 8},
-        ),
-    )
+    set_schedule(store, admission_schedule(publish_every=2, assembled_steps=1, trained_samples=8, done_rows={0: 8}))
     gauge = BacklogGauge(store)
     gauge.backlog()
     # B·4 − trained − pending = 32 − 8 − 8 = 16 rows: 4 prompts of 4; a buffer of 4 own rows takes one
@@ -75,15 +69,7 @@ def test_a_late_shard_of_a_dead_version_blocks_no_one(student_store):
     store = student_store
     for version in (5, 6):
         add_rows(store, version, 8)
-    schedule = TrainSchedule(
-        max_steps=100,
-        publish_every=1,
-        max_staleness=1,
-        batch_samples=8,
-        assembled_steps=6,
-        trained_samples=48,
-        done_rows={5: 8},
-    )
+    schedule = admission_schedule(assembled_steps=6, trained_samples=48, done_rows={5: 8})
     set_schedule(store, schedule)
     gauge = BacklogGauge(store)
     gauge.backlog()
@@ -99,17 +85,7 @@ def test_a_late_shard_of_a_dead_version_blocks_no_one(student_store):
 def test_a_resumed_trainer_whose_anchor_moved_admits_by_its_anchor(student_store):
     store = student_store
     # a stop at step 5 published an extra version: version 6 after 5 steps, later steps count from (5, 6)
-    moved = TrainSchedule(
-        max_steps=100,
-        publish_every=1,
-        max_staleness=1,
-        batch_samples=8,
-        anchor_step=5,
-        anchor_version=6,
-        step=5,
-        assembled_steps=5,
-        trained_samples=40,
-    )
+    moved = admission_schedule(anchor_step=5, anchor_version=6, step=5, assembled_steps=5, trained_samples=40)
     set_schedule(store, moved)
     gauge = BacklogGauge(store)
     gauge.backlog()

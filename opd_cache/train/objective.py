@@ -31,6 +31,7 @@ aggregation, e.g. 1 / global response tokens for token-mean):
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 from torch import nn
@@ -95,35 +96,23 @@ class DistillationObjective(nn.Module):
                 "importance_clipped": (ratio[trained] > config.importance_cap).float().mean(),
             }
         if mb.target_flags is not None:  # a teacher of another tokenizer: top-k where valid, span terms elsewhere
-            loss, per_token, diagnostics = fused_cross_tokenizer_losses(
-                hidden,
-                weight,
-                mb.teacher_topk_ids,
-                mb.teacher_topk_logprobs,
-                token_weights,
-                config,
-                target_flags=mb.target_flags,
-                sampled_ids=mb.sampled_ids,
-                teacher_token_logprobs=mb.teacher_token_logprobs,
-                behavior_logprobs=mb.behavior_logprobs if config.policy_gradient else None,
-                span=self.span,
-                return_diagnostics=True,
-            )
+            distillation = partial(fused_cross_tokenizer_losses, target_flags=mb.target_flags, span=self.span)
         else:
-            loss, per_token, diagnostics = fused_token_losses(
-                hidden,
-                weight,
-                mb.teacher_topk_ids,
-                mb.teacher_topk_logprobs,
-                token_weights,
-                config,
-                sampled_ids=mb.sampled_ids,
-                teacher_token_logprobs=mb.teacher_token_logprobs,
-                support_ids=mb.support_ids,
-                support_teacher_logprobs=mb.support_logprobs,
-                behavior_logprobs=mb.behavior_logprobs if config.policy_gradient else None,
-                return_diagnostics=True,
+            distillation = partial(
+                fused_token_losses, support_ids=mb.support_ids, support_teacher_logprobs=mb.support_logprobs
             )
+        loss, per_token, diagnostics = distillation(
+            hidden,
+            weight,
+            mb.teacher_topk_ids,
+            mb.teacher_topk_logprobs,
+            token_weights,
+            config,
+            sampled_ids=mb.sampled_ids,
+            teacher_token_logprobs=mb.teacher_token_logprobs,
+            behavior_logprobs=mb.behavior_logprobs if config.policy_gradient else None,
+            return_diagnostics=True,
+        )
         diagnostics = dict(diagnostics, **importance)
         if self.task_config is not None:
             task_loss, task_per_token = fused_token_losses(

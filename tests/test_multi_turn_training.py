@@ -25,7 +25,7 @@ from opd_cache.train.objective import DistillationObjective
 from opd_cache.train.shard_data import ShardCache, required_teachers
 from opd_cache.train.stream import assign_ranks
 from tests.test_train_stream import make_stream
-from tests.test_trainer import make_store
+from tests.test_trainer import make_store, teacher  # noqa: F401 (teacher: the peaked tiny teacher, a fixture)
 
 V, K = 32, 4
 
@@ -258,22 +258,14 @@ def _weights(store: Store) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-@pytest.fixture(scope="module")
-def peaked_teacher(tokenizer):
-    model = build_tiny_model(vocab_size=len(tokenizer), seed=1, tie_word_embeddings=False)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return model
-
-
-def test_a_version_1_store_trains_exactly_as_before(tmp_path, tiny_model_factory, tokenizer, peaked_teacher):
+def test_a_version_1_store_trains_exactly_as_before(tmp_path, tiny_model_factory, tokenizer, teacher):
     student = tiny_model_factory("student", seed=0)
-    old = _store(tmp_path / "v1", student, tokenizer, peaked_teacher, masks=False)
+    old = _store(tmp_path / "v1", student, tokenizer, teacher, masks=False)
     _as_version_1(old)
     info = old.shards.rollouts()[0]
     assert read_shard(old, info.path)[1].schema_version == 1
     assert read_shard(old, layout.annotated_path(info.shard_id, "teacher"))[1].schema_version == 1
-    new = _store(tmp_path / "v2", student, tokenizer, peaked_teacher, masks=False)
+    new = _store(tmp_path / "v2", student, tokenizer, teacher, masks=False)
     assert read_shard(new, info.path)[1].schema_version == 2
     assert _train(old, 3).step == 3 and _train(new, 3).step == 3
     old_weights, new_weights = _weights(old), _weights(new)
@@ -281,9 +273,9 @@ def test_a_version_1_store_trains_exactly_as_before(tmp_path, tiny_model_factory
         assert torch.equal(old_weights[key], new_weights[key]), key
 
 
-def test_multi_turn_rows_train_and_their_masked_loss_falls(tmp_path, tiny_model_factory, tokenizer, peaked_teacher):
+def test_multi_turn_rows_train_and_their_masked_loss_falls(tmp_path, tiny_model_factory, tokenizer, teacher):
     student = tiny_model_factory("student", seed=0)
-    store = _store(tmp_path / "store", student, tokenizer, peaked_teacher, masks=True, shards=6)
+    store = _store(tmp_path / "store", student, tokenizer, teacher, masks=True, shards=6)
     result = _train(store, 12, lr=3e-3)
     assert result.step == 12
     losses = [json.loads(line)["loss"] for line in store.read_bytes("metrics/train-0.jsonl").decode().splitlines()]

@@ -110,6 +110,13 @@ class PipelineModel:
         self.store = SimStore()
         self.rng = random.Random(spec.seed)
         self.needed = spec.steps * spec.batch_samples  # samples_needed_total, announced before the stages start
+        # the run's schedule with its counters at zero; each snapshot fills them in from the stream's cursor
+        self.run_schedule = TrainSchedule(
+            max_steps=spec.steps,
+            publish_every=spec.publish_every,
+            max_staleness=spec.max_staleness,
+            batch_samples=spec.batch_samples,
+        )
         # the trainer's stream (its cursor) and the queue between its prefetch thread and the optimizer
         self.trained = self.expired = self.assembled = self.partial = 0
         self.done_by_version: Counter = Counter()
@@ -139,15 +146,8 @@ class PipelineModel:
 
     def snapshot(self) -> Progress:
         """What the trainer writes to progress.json from its stream's cursor now."""
-        spec = self.spec
-        schedule = TrainSchedule(
-            max_steps=spec.steps,
-            publish_every=spec.publish_every,
-            max_staleness=spec.max_staleness,
-            batch_samples=spec.batch_samples,
-            assembled_steps=self.assembled,
-            partial_rows=self.partial,
-            trained_samples=self.trained,
+        schedule = replace(
+            self.run_schedule, assembled_steps=self.assembled, partial_rows=self.partial, trained_samples=self.trained
         )
         live = schedule.oldest_live_version
         for version in [v for v in self.done_by_version if v < live]:

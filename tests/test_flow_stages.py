@@ -110,34 +110,37 @@ def test_the_runs_last_rows_round_up_and_no_schedule_paces_as_before(student_sto
     assert gauge.schedule is None and gauge.prompts_allowed(2, 0, n=4, max_buffer_samples=64) is None
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    batch=st.integers(1, 16),
-    publish_every=st.integers(1, 3),
-    staleness=st.integers(0, 3),
-    assembled=st.integers(0, 20),
-    version_offset=st.integers(-3, 3),
-    published=st.lists(st.integers(0, 40), min_size=4, max_size=4),
-    n=st.integers(1, 5),
-)
-def test_no_admitted_row_is_beyond_the_bound(batch, publish_every, staleness, assembled, version_offset, published, n):
-    """Whatever the counters: trained + pending(≤ v) + the admitted rows ≤ B·min(s_max(v), max_steps), but for
-    the rounding up of a version's only source (at most n − 1 rows)."""
-    schedule = TrainSchedule(
+@st.composite
+def mid_run_schedules(draw) -> TrainSchedule:
+    """A 25-step run anywhere in its course: any batch, publication period and staleness bound, 0-20 steps done."""
+    batch, assembled = draw(st.integers(1, 16)), draw(st.integers(0, 20))
+    return TrainSchedule(
         max_steps=25,
-        publish_every=publish_every,
-        max_staleness=staleness,
+        publish_every=draw(st.integers(1, 3)),
+        max_staleness=draw(st.integers(0, 3)),
         batch_samples=batch,
         assembled_steps=assembled,
         trained_samples=assembled * batch,
     )
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    schedule=mid_run_schedules(),
+    version_offset=st.integers(-3, 3),
+    published=st.lists(st.integers(0, 40), min_size=4, max_size=4),
+    n=st.integers(1, 5),
+)
+def test_no_admitted_row_is_beyond_the_bound(schedule, version_offset, published, n):
+    """Whatever the counters: trained + pending(≤ v) + the admitted rows ≤ B·min(s_max(v), max_steps), but for
+    the rounding up of a version's only source (at most n − 1 rows)."""
     live = schedule.oldest_live_version
     by_version = {live + i: rows for i, rows in enumerate(published)}
     version = schedule.version_of_step(schedule.next_step) + version_offset
     pending = schedule.pending_at_or_below(version, by_version)
     prompts = schedule.prompts_allowed(version, pending, n)
-    bound = batch * schedule.deadline_step(version)
-    slack = n - 1 if schedule.deadline_step(version) == schedule.max_steps or staleness == 0 else 0
+    bound = schedule.batch_samples * schedule.deadline_step(version)
+    slack = n - 1 if schedule.deadline_step(version) == schedule.max_steps or schedule.max_staleness == 0 else 0
     assert schedule.trained_samples + pending + prompts * n <= max(bound, schedule.trained_samples + pending) + slack
 
 

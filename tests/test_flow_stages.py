@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from opd_cache.config import TrainConfig
 from opd_cache.flow.demand import announce_demand
-from opd_cache.flow.schedule import TrainSchedule, read_schedule, schedule_progress
+from opd_cache.flow.schedule import TrainSchedule, read_schedule, schedule_from_config, schedule_progress
 from opd_cache.observe.metrics import read_metrics
 from opd_cache.rollout.pacing import BacklogGauge
 from opd_cache.storage.layout import make_shard_id
@@ -201,9 +201,11 @@ def test_the_trainer_publishes_its_schedule_with_a_moved_anchor(tmp_path, studen
 
 def test_announcing_a_continued_run_keeps_the_anchor_and_clears_a_stale_done(local_store):
     store = local_store
-    finished = TrainSchedule(
-        max_steps=4,
-        batch_samples=8,
+    # a finished run of 4 steps of 8 rows whose end published version 5 (the anchor moved to (4, 5))
+    four_steps = TrainConfig(max_steps=4, global_batch_samples=8)
+    finished = schedule_from_config(
+        four_steps,
+        2,  # max_staleness
         anchor_step=4,
         anchor_version=5,
         step=4,
@@ -213,7 +215,7 @@ def test_announcing_a_continued_run_keeps_the_anchor_and_clears_a_stale_done(loc
     )
     store.write_progress({"step": 4, "trained_samples": 32, **schedule_progress(finished)})
     store.mark_done()
-    announce_demand(store, TrainConfig(max_steps=4, global_batch_samples=8), max_staleness=2)
+    announce_demand(store, four_steps, max_staleness=2)
     assert store.is_done()  # nothing more to train: the DONE stands
     announce_demand(store, TrainConfig(max_steps=6, global_batch_samples=8), max_staleness=2)
     assert not store.is_done()

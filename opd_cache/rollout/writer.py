@@ -266,8 +266,16 @@ class RolloutWriter:
         )
         self.student_topk = student_topk or self.run.student_topk or 0
         self.flush_rows, self.flush_seconds, self.max_tokens = flush_rows, flush_seconds, max_tokens
+        # what every shard of this writer carries (flush adds the shard's id, policy version and sample count)
         self.meta_fields = dict(
-            producer=producer, engine=engine, engine_version=engine_version, model_dtype=model_dtype
+            kind=ROLLOUT,
+            run_id=self.run.run_id,
+            tokenizer_fingerprint=self.fingerprint,
+            student_topk=self.student_topk,
+            producer=producer,
+            engine=engine,
+            engine_version=engine_version,
+            model_dtype=model_dtype,
         )
         self.seq, self.total_samples, last_version = _resume(self.store, self.worker)
         if policy_version < last_version:
@@ -360,14 +368,7 @@ class RolloutWriter:
         shard_id = make_shard_id(self.policy_version, self.worker, self.seq)
         rows = len(self.buffer)
         meta = WriterShardMeta(
-            kind=ROLLOUT,
-            run_id=self.run.run_id,
-            tokenizer_fingerprint=self.fingerprint,
-            shard_id=shard_id,
-            policy_version=self.policy_version,
-            student_topk=self.student_topk,
-            samples=self.total_samples + rows,
-            **self.meta_fields,
+            shard_id=shard_id, policy_version=self.policy_version, samples=self.total_samples + rows, **self.meta_fields
         )
         try:
             publish_rollout_shard(self.store, self.buffer, meta)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from opd_cache.models import build_tiny_model, load_causal_lm, save_causal_lm
+from opd_cache.models import load_causal_lm, save_causal_lm
 from opd_cache.tasks.arithmetic import student_answer
 from opd_cache.tasks.prompts import load_prompts
 from opd_cache.tokenizer import load_tokenizer
@@ -38,28 +38,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DATA / "models" / "student_bpe")
     parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=1)
+    recipe = demo_recipe()
+    recipe.add_recipe_options(parser, seed=1, threads=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    recipe = demo_recipe()
     tokenizer = load_tokenizer(DATA / "tokenizer_bpe")
     train = load_prompts(recipe.TRAIN_PROMPTS, tokenizer)
     test = load_prompts(recipe.TEST_PROMPTS, tokenizer)
-    model = build_tiny_model(
-        "llama",
-        len(tokenizer),
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        intermediate_size=256,
-        tie_word_embeddings=True,
-        seed=args.seed,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    model = recipe.recipe_model(tokenizer, num_layers=2, seed=args.seed)
     start = time.time()
     input_ids, labels = recipe.make_batch_tensors(train, tokenizer, student_answer)
     recipe.supervise(model, input_ids, labels, args.steps, args.batch_size, args.lr, args.seed, "student_bpe")

@@ -110,15 +110,36 @@ def eval_greedy(
     return {key: value / len(prompts) for key, value in totals.items()}
 
 
+def add_recipe_options(parser: argparse.ArgumentParser, *, seed: int, threads: int) -> None:
+    """The options of `supervise` and the CPU threads it uses (data/make_bpe_student.py takes them too)."""
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=seed)
+    parser.add_argument("--threads", type=int, default=threads)
+
+
+def recipe_model(tokenizer, num_layers: int, seed: int):
+    """A demo model: a tiny llama of hidden size 64, 4 heads and tied embeddings over `tokenizer`'s vocabulary."""
+    return build_tiny_model(
+        "llama",
+        len(tokenizer),
+        hidden_size=64,
+        num_layers=num_layers,
+        num_heads=4,
+        intermediate_size=256,
+        tie_word_embeddings=True,
+        seed=seed,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=DATA / "models")
     parser.add_argument("--teacher-steps", type=int, default=1000)
     parser.add_argument("--student-steps", type=int, default=1200)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
+    add_recipe_options(parser, seed=0, threads=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -126,7 +147,6 @@ def main() -> None:
     tokenizer = load_tokenizer(TOKENIZER)
     train = load_prompts(TRAIN_PROMPTS, tokenizer)
     test = load_prompts(TEST_PROMPTS, tokenizer)
-    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
     specs = {
         "teacher": dict(num_layers=3, answer_format=teacher_answer, steps=args.teacher_steps, seed=args.seed),
         "student": dict(num_layers=2, answer_format=student_answer, steps=args.student_steps, seed=args.seed + 1),
@@ -134,17 +154,7 @@ def main() -> None:
     results = {}
     start = time.time()
     for name, spec in specs.items():
-        model = build_tiny_model(
-            "llama",
-            len(tokenizer),
-            hidden_size=64,
-            num_layers=spec["num_layers"],
-            num_heads=4,
-            intermediate_size=256,
-            tie_word_embeddings=True,
-            seed=spec["seed"],
-            **special,
-        )
+        model = recipe_model(tokenizer, spec["num_layers"], spec["seed"])
         input_ids, labels = make_batch_tensors(train, tokenizer, spec["answer_format"])
         supervise(model, input_ids, labels, spec["steps"], args.batch_size, args.lr, spec["seed"], name)
         out = args.out_dir / name

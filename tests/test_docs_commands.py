@@ -52,6 +52,7 @@ SKIPPED: dict[str, str] = {
     r"^bash scripts/gpu_(check|wheels)\.sh": "the GPU check: an NVIDIA GPU, wheels from PyPI (.ci/run: its --dry-run)",
     r"-m pytest": "the test suite itself (the docs name the tests of a feature)",
     r" \[--": "a synopsis (optional flags in brackets)",
+    r"/tmp/flow2/": "issue #25's A/B: four demos and two 60-step runs in two checkouts (docs/benchmarks.md)",
     r"examples/arithmetic_agent_cpu": "the multi-turn example's opd run: tests/test_agent_rollout.py runs it (slow)",
 }
 # What runs: opd itself and `python -c`. Any other command must be in SKIPPED, so nothing unexpected (a server,

@@ -24,8 +24,15 @@ REPO = Path(__file__).resolve().parents[2]  # the checkout, when this file is in
 PACKAGED = Path(__file__).resolve().parents[1] / "demo_data"  # the copies a wheel carries (opd_cache/demo_data/)
 DEMO_CONFIG = "examples/arithmetic_cpu/config.yaml"
 # What the demo reads, relative to the root that holds it (the models' README.md comes along with them).
-DEMO_FILES = (DEMO_CONFIG, "data/arithmetic/train.parquet", "data/arithmetic/test.parquet", "data/models")
 DEMO_MODELS = ("data/models/student", "data/models/teacher")
+# the demo's models only: data/models/ also holds the cross-tokenizer example's student_bpe (docs/cross-tokenizer.md)
+DEMO_FILES = (
+    DEMO_CONFIG,
+    "data/arithmetic/train.parquet",
+    "data/arithmetic/test.parquet",
+    "data/models/README.md",
+    *DEMO_MODELS,
+)
 VLLM_CPU_MIN_HEAD_DIM = 32  # vLLM's CPU attention supports head sizes 32, 64, 80, ...
 
 

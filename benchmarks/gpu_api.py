@@ -29,7 +29,7 @@ _NAMES = {
     "write_synthetic_store": "opd_cache.testing",
     "load_tokenizer": "opd_cache.tokenizer",
     "tokenizer_fingerprint": "opd_cache.tokenizer",
-    "train": "opd_cache.train",
+    "run_train": "opd_cache.train",
     "DistEnv": "opd_cache.train.distributed",
     "PolicyPublisher": "opd_cache.train.publish",
     "Trainer": "opd_cache.train.trainer",

@@ -133,7 +133,7 @@ def run(record, device: torch.device, toy: bool, work: Path) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    result = api.train(train_config(api, store, sizes, device))
+    result = api.run_train(train_config(api, store, sizes, device), store)
     report(record, "train (1 GPU, bf16 autocast)" if not toy else "train (CPU)", result, store, sizes, toy, device,
            time.perf_counter() - start)  # fmt: skip
 
@@ -172,7 +172,7 @@ def run_fsdp(record, device: torch.device, toy: bool, work: Path) -> None:
                       owns_group=True)  # fmt: skip
     start = time.perf_counter()
     try:
-        trainer = api.Trainer(train_config(api, store, sizes, device), env)
+        trainer = api.Trainer(train_config(api, store, sizes, device), store, env)
         sharded = isinstance(trainer.objective, FSDPModule)
         record.item("FSDP2 applied (fully_shard over the one-rank mesh)", "passed" if sharded else "failed",
                     note=f"{type(trainer.objective).__name__}")  # fmt: skip

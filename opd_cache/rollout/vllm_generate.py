@@ -212,14 +212,17 @@ class VLLMGenerator:
                 return
             except Exception as e:  # noqa: BLE001 - an older vLLM or an unusual model: the always-correct path
                 logger.warning("vLLM in-place weight reload failed (%s); re-creating the engine from %s", e, path)
-        self._shutdown()
+        self.close()
         self.llm = self._start(path)
         self.reloads.append(RELOAD_RECREATE)
 
-    def _shutdown(self) -> None:
-        # The old engine's processes and KV cache must be gone before the new one sizes its own.
+    def close(self) -> None:
+        """Stop the engine's processes now, not in interpreter exit's destructors (where vLLM's threads can abort it).
+
+        Also before re-creating the engine: the old engine's processes and KV cache must be gone before the new
+        one sizes its own."""
         engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()
-        del self.llm
+        self.llm = None
         gc.collect()

@@ -65,7 +65,7 @@ def test_the_launchers_ray_listens_on_loopback_only_and_retires_a_worker_by_sigi
         command = [sys.executable, "-c", SLEEPER]
         stage = launcher.stage_for("rollout-w00", command, tmp_path / "logs" / "rollout-w00.log")
         launcher.start(stage)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # a hang guard: the event waited on is the actor's pids file
         while not (tmp_path / "logs" / "rollout-w00.pids").exists():
             assert time.monotonic() < deadline, "the actor did not start its command"
             time.sleep(0.2)

@@ -301,7 +301,7 @@ def test_sigkill_then_resume_trains_every_row_exactly_once(tmp_path, student_pat
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600  # a hang guard: the event waited on is step 5's ledger file
     # five steps of data: after step 5 (state saved at 4) the trainer waits for more, holding unsaved progress
     while not killed.exists("train/consumed/step-000005.jsonl"):
         assert proc.poll() is None, proc.stdout.read().decode()

@@ -67,7 +67,9 @@ def measure(store_uri: str, config: str = CONFIG) -> dict:
         _policy_folder(store, last), tokenizer, prompts, teacher, teacher_tok, cfg.eval.max_new_tokens
     )
     teacher_prompts = _subset(load_prompts(cfg.eval.prompts, teacher_tok), cfg.eval.max_prompts)
-    teacher_acc = evaluate_model(cfg.annotate.teacher, teacher_prompts, teacher_tok, max_new_tokens=12)
+    teacher_acc = evaluate_model(
+        cfg.annotate.teacher, teacher_prompts, teacher_tok, max_new_tokens=cfg.eval.max_new_tokens
+    )
     report = {
         "store": store_uri,
         "version": last,

@@ -7,9 +7,21 @@ training prompt as the chat template renders it, followed by both answer formats
 
 - the same special tokens with the same ids (`<pad>` 0, `<eos>` 1, `<unk>` 2) and the same chat template
   (a user message is its text plus a newline; the answer follows and ends with `<eos>`);
-- GPT-2's byte-level pre-tokenizer and alphabet: all 256 bytes are tokens, so it can spell any text (the
-  character tokenizer knows printable ASCII only), and words, numbers and runs of punctuation merge with the
-  space before them: " #### 85" is `Ġ####` `Ġ85` here and eight characters there.
+- GPT-2's byte-level pre-tokenizer and decoder, over the character tokenizer's alphabet (newline and printable
+  ASCII, as byte-level symbols: ' ' is `Ġ`, '\\n' is `Ċ`; any other byte is `<unk>`). All 256 bytes made the
+  student sample bytes the teacher cannot spell (its rows are excluded, so nothing pushed those bytes back
+  down) as soon as distillation moved it off its own format. Words and runs of punctuation merge:
+  " #### 85" is `Ġ` `####` `Ġ` `8` `5` here and eight characters there, " ans= 85" is `Ġ` `ans` `=` `Ġ` `8` `5`,
+  "What is" is `What` `Ġ` `is`;
+- digits and spaces are pre-tokens of their own (`Digits(individual_digits=True)`, `Split(" ", "isolated")`,
+  then the byte-level split), as in the character tokenizer. The first version merged numbers and the space
+  before a word (`Ġ85`, `Ġ14` `6`, `Ġans`, `Ġ####`). Distilled from the character teacher, that student
+  unlearned its number tokens (the teacher's target at the start of ` 85` is its ` `), and the choice between
+  the two formats sat at the start of ` ans` / ` ####`, where the teacher's target (` `) is a token the student
+  never wrote there: it went through a phase of random bytes and lost its sums (docs/cross-tokenizer.md,
+  "Measured on the example"). Now the space is one to one, the format decision is the group `ans` against the
+  teacher's `a` `n` `s` (the teacher's target at its start is `#`), and the sums are decided at one-to-one
+  positions that get the teacher's full top-k.
 
 The output is deterministic (the same corpus and trainer settings give the same merges, hence the same
 tokenizer fingerprint). It lives in its own folder: transformers 5 picks another tokenizer class when a
@@ -33,9 +45,9 @@ DATA = Path(__file__).resolve().parent
 DEFAULT_OUT = DATA / "tokenizer_bpe"
 TRAIN_PROMPTS = DATA / "arithmetic" / "train.parquet"
 TEST_PROMPTS = DATA / "arithmetic" / "test.parquet"
-DEFAULT_VOCAB_SIZE = (
-    400  # 256 bytes, 3 special tokens, 141 merges: the words, ' ####', ' ans', every ' NN' (' 146' is ' 14' '6')
-)
+# an upper bound: with digits and spaces split the corpus has 8 merges ('What', 'is', 'ans', '####' and their
+# parts), so the tokenizer stops at 107 tokens (3 special tokens, 96 characters, 8 merges)
+DEFAULT_VOCAB_SIZE = 400
 
 
 def _character_tokenizer_module():
@@ -44,6 +56,12 @@ def _character_tokenizer_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def byte_level_alphabet(characters: list[str]) -> list[str]:
+    """The byte-level symbols of `characters` (GPT-2's table: ' ' is 'Ġ', '\\n' is 'Ċ')."""
+    spell = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return [spell.pre_tokenize_str(c)[0][0] for c in characters]
 
 
 def demo_texts(path: Path = TRAIN_PROMPTS) -> list[str]:
@@ -61,13 +79,22 @@ def demo_texts(path: Path = TRAIN_PROMPTS) -> list[str]:
 
 def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, texts: list[str] | None = None) -> PreTrainedTokenizerFast:
     chars = _character_tokenizer_module()
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core = Tokenizer(models.BPE(unk_token=chars.UNK))
+    # digits first, one pre-token each (then GPT-2's byte-level split): numbers are one token per digit here as
+    # in the character tokenizer, so the positions where the sums are decided align one to one, while words,
+    # ' ####' and ' ans' still merge with the space before them
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.Split(" ", "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=chars.SPECIAL_TOKENS,  # ids 0, 1, 2, as in the character tokenizer
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=byte_level_alphabet(chars.CHARACTERS),
         show_progress=False,
     )
     core.train_from_iterator(texts if texts is not None else demo_texts(), trainer)

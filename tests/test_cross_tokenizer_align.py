@@ -72,7 +72,7 @@ def spelled_text(c: CrossTokenizer, teacher_ids: np.ndarray) -> bytes:
 
 # --------------------------------------------------------------------------- align_offsets on its own
 def test_align_offsets_cuts_where_both_have_a_boundary():
-    # " #### 146": the demo BPE's 'Ġ####' 'Ġ14' '6' against the character tokenizer's nine characters
+    # " #### 146" as a BPE that merges numbers cuts it ('Ġ####' 'Ġ14' '6') against the nine characters
     student = np.array([[0, 5], [5, 8], [8, 9]])
     teacher = np.array([[i, i + 1] for i in range(9)])
     s_group, t_group, groups = align_offsets(student, teacher, 9)
@@ -265,29 +265,29 @@ def test_special_tokens_pair_by_role_and_an_unpaired_one_excludes_the_row():
 
 # --------------------------------------------------------------------------- the demo pair, end to end
 def test_demo_pair_worked_example():
-    """The example of docs/cross-tokenizer.md: the BPE student writes ' #### 146<eos>' in four tokens."""
+    """The example of docs/cross-tokenizer.md: the BPE student writes ' #### 146<eos>' in seven tokens."""
     student, teacher = toks.get("demo_bpe"), toks.get("char")
     c = CrossTokenizer(student, teacher, "bpe", "char")
     ids = student(" #### 146", add_special_tokens=False)["input_ids"] + [student.eos_token_id]
-    assert student.convert_ids_to_tokens(ids) == ["Ġ####", "Ġ14", "6", "<eos>"]
+    assert student.convert_ids_to_tokens(ids) == ["Ġ", "####", "Ġ", "1", "4", "6", "<eos>"]
     row = c.teacher_rows(
         [student.apply_chat_template([{"role": "user", "content": "What is 66 + 80?"}])["input_ids"]], [ids]
     )[0]
     assert teacher.decode(row.prompt_ids) == "What is 66 + 80?\n"
     assert teacher.convert_ids_to_tokens(row.response_ids.tolist()) == list(" #### 146") + ["<eos>"]
-    assert row.alignment.student_group.tolist() == [0, 1, 2, 3]
-    assert row.alignment.teacher_group.tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 2, 3]
+    assert row.alignment.student_group.tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert row.alignment.teacher_group.tolist() == [0, 1, 1, 1, 1, 2, 3, 4, 5, 6]
     n = len(row.response_ids)
     scores = TeacherScores.zeros(np.array([n]), 2)
     scores.token_logprob[:] = -np.arange(1, n + 1) / 8
     scores.topk_ids[:] = row.response_ids[:, None]
     scores.topk_logprobs[:] = [-0.1, -3.0]
-    for rule, topk_at in (("one_to_one", [2, 3]), ("group_start", [0, 1, 2, 3])):
+    for rule, topk_at in (("one_to_one", [0, 2, 3, 4, 5, 6]), ("group_start", [0, 1, 2, 3, 4, 5, 6])):
         targets = student_targets([row], [ids], scores, c.vocab_map.teacher_to_student, rule)
         assert np.nonzero(targets.target_flags & TOPK_VALID)[0].tolist() == topk_at
         assert (targets.target_flags & GROUP_END).all()
-        assert np.allclose(targets.scores.token_logprob, [-15 / 8, -21 / 8, -9 / 8, -10 / 8])
-    assert targets.stats.one_to_one == 2 and targets.stats.groups == 4
+        assert np.allclose(targets.scores.token_logprob, [-1 / 8, -14 / 8, -6 / 8, -7 / 8, -8 / 8, -9 / 8, -10 / 8])
+    assert targets.stats.one_to_one == 6 and targets.stats.groups == 7
 
 
 def test_teacher_scores_from_a_real_model(tiny_model_factory):

@@ -80,13 +80,14 @@ def test_cross_tokenizer_annotation_writes_student_targets_and_records_the_map(b
     lengths = [len(r) for r in responses]
     rows = np.split(flags, np.cumsum(lengths)[:-1])
     assert (rows[3] == EXCLUDED).all() and not (np.concatenate(rows[:3]) & EXCLUDED).any()
-    # " #### 146<eos>": groups Ġ#### | Ġ14 | 6 | <eos>: every position ends a group; the last two are one to one
-    np.testing.assert_array_equal(rows[0] & GROUP_END, [GROUP_END] * 4)
-    np.testing.assert_array_equal(rows[0] & TOPK_VALID, [0, 0, TOPK_VALID, TOPK_VALID])
+    # " #### 146<eos>": groups Ġ | #### | Ġ | 1 | 4 | 6 | <eos>: every position ends a group; all but '####'
+    # (four teacher characters) are one to one
+    np.testing.assert_array_equal(rows[0] & GROUP_END, [GROUP_END] * 7)
+    np.testing.assert_array_equal(rows[0] & TOPK_VALID, [TOPK_VALID, 0] + [TOPK_VALID] * 5)
     assert flat_values(part["teacher_topk_ids"]).max() < len(student)
-    # a group's log-prob at its end: the ' ####' group is what the teacher writes, ' ans' is not
+    # a group's log-prob at its end: the '####' group is what the teacher writes, 'ans' is not
     token_lp = np.split(flat_values(part["teacher_token_logprob"]), np.cumsum(lengths)[:-1])
-    assert token_lp[0][0] > -1.0 > token_lp[1][0]
+    assert token_lp[0][1] > -1.0 > token_lp[1][1]
 
     # a second worker of this teacher with another top-k rule would write other targets: refused
     with pytest.raises(StoreError, match="cross_tokenizer_topk"):

@@ -184,23 +184,29 @@ def test_cross_tokenizer_run_trains_the_bpe_student_toward_the_teacher(tmp_path,
     assert "group text" in shown and "group_end" in shown and "cross_tokenizer" in shown
 
 
-@pytest.mark.slow  # `opd run` of the example, shortened: about a minute
-def test_opd_run_of_the_cross_tokenizer_example(tmp_path):
-    """examples/arithmetic_xtok_cpu/config.yaml under `opd run` (rollout, cross-tokenizer annotate, train,
-    evaluation), cut to a few steps: every stage finishes, every trained shard has a part with flags."""
+@pytest.fixture(scope="module")
+def example_run(tmp_path_factory):
+    """examples/arithmetic_xtok_cpu/config.yaml under `opd run` as shipped (800 steps; ~7 min on 2 busy cores):
+    rollout, cross-tokenizer annotate, train, evaluation. Returns the store's folder."""
     import subprocess
     import sys
 
     student = REPO / "data/models/student_bpe"
     if not (student / "model.safetensors").exists():
         pytest.fail("data/models/student_bpe is missing: python data/make_bpe_student.py")
-    store_dir = tmp_path / "store"
+    store_dir = tmp_path_factory.mktemp("xtok") / "store"
     cmd = [sys.executable, "-m", "opd_cache.cli", "run", "--config", "examples/arithmetic_xtok_cpu/config.yaml"]
-    cmd += ["--set", f"store.uri={store_dir}", "--set", "train.max_steps=4", "--set", "train.global_batch_samples=16"]
-    cmd += ["--set", "rollout.flush_rows=16", "--set", "eval.max_prompts=8", "--set", "run.eval_every=2"]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    cmd += ["--set", f"store.uri={store_dir}"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    store = Store(store_dir)
+    return store_dir
+
+
+@pytest.mark.slow
+def test_opd_run_of_the_cross_tokenizer_example(example_run):
+    """Every stage finishes, the teacher's record names the cross-tokenizer rule, every trained shard has a
+    part with flags."""
+    store = Store(example_run)
     assert store.is_done()
     (record,) = store.manifest.teachers()
     assert record.teacher_tokenizer_fingerprint and record.cross_tokenizer_topk == "group_start"
@@ -209,3 +215,28 @@ def test_opd_run_of_the_cross_tokenizer_example(tmp_path):
     shard_id = sorted(parts)[0]
     part, _ = read_shard(store, layout.annotated_path(shard_id, "teacher"), kind=ANNOTATED)
     assert TARGET_FLAGS in part.schema.names
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,  # the day the bar is met this fails as XPASS: remove the mark then
+    raises=AssertionError,
+    reason="issue #27's demo bar is not met yet: strict 0.07 against 0.8 (KL 21x lower: met); docs/cross-tokenizer.md",
+)
+def test_the_cross_tokenizer_example_reaches_the_demo_bar(example_run):
+    """Issue #27's bar on 200 held-out prompts, measured by examples/arithmetic_xtok_cpu/measure.py: strict
+    accuracy (the evaluator's) at least 0.8x the teacher's, and the KL in the teacher's tokenization (the teacher
+    against the student's next byte, at every character of the student's greedy answers) at least 5x lower
+    than before training."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("measure", REPO / "examples/arithmetic_xtok_cpu/measure.py")
+    measure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(measure)
+    report = measure.measure(str(example_run))
+    before, after = report["before"], report["after"]
+    assert report["prompts"] == 200 and report["teacher"]["strict"] >= 0.95, report
+    assert before["strict"] <= 0.05, report  # it starts in its own format: strict near 0, as the demo's student
+    assert after["kl_excluded_rows"] == 0 and after["kl_positions"] >= 200 * 8, report  # ' #### N<eos>' >= 8
+    assert before["kl"] >= 5 * after["kl"], report
+    assert after["strict"] >= 0.8 * report["teacher"]["strict"], report

@@ -160,6 +160,7 @@ def table(runs: dict[str, dict]) -> str:
     header = [
         "run",
         "code",
+        "settings beyond the config",
         "load start → end",
         "wall (s)",
         "first batch → last step (s)",
@@ -182,6 +183,7 @@ def table(runs: dict[str, dict]) -> str:
             [
                 label,
                 r["code_label"],
+                ", ".join(setting.split(" (")[0] for setting in r["sets"]) or "—",
                 f"{r['load_start']:.1f} → {r['load_end']:.1f}",
                 f"{r['wall_s']:.0f}",
                 f"{f['span_s']:.0f}",
@@ -198,7 +200,7 @@ def table(runs: dict[str, dict]) -> str:
                 f"{f['reload_s']:.2f}",
             ]
         )
-    return markdown_table(header, "lll" + "r" * (len(header) - 3), rows)
+    return markdown_table(header, "llll" + "r" * (len(header) - 4), rows)
 
 
 def main() -> None:

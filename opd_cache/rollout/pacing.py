@@ -10,6 +10,15 @@ trainer is done with; and the rows of live versions stay within `max_buffer_samp
 versions by the rule, in samples by the buffer). Rows of versions no step can train any more count for nothing,
 so a shard published late into an old version blocks no one.
 
+Several workers: each one's rows count in the others' pending(≤ v) only once published, unless it says it is
+making them. A worker with an id *claims* before each generate() call the rows it has admitted and not yet
+published (`claims/<worker>.json`: version and rows; 0 after its flush), and every gauge adds the other workers'
+claims to its in-flight rows (one LIST of `claims/` and a read per worker, with the listing it already makes).
+Without claims two workers that reload the same version admit the same slots: with a version per step, each
+version's batch was sampled twice and half of it expired (docs/benchmarks.md, "~100M parameters"). A claim is
+read at the next poll, so two workers that decide within one poll of each other can still both be admitted; a
+dead worker's claim is counted until its version is dead (at most max_staleness + 1 versions).
+
 Without a schedule (a trainer older than #25, a token budget before its first batch, a finished trainer), the
 count pacing of before: the unconsumed backlog against `max_buffer_samples`, and the trainer's remaining demand
 in samples (issue #14).
@@ -17,9 +26,12 @@ in samples (issue #14).
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 
 from opd_cache.flow.schedule import TrainSchedule, schedule_in
+from opd_cache.storage import layout
 from opd_cache.storage.layout import parse_shard_id
 from opd_cache.storage.schema import count_rows
 from opd_cache.storage.store import ShardWatch, Store
@@ -51,8 +63,11 @@ class BacklogGauge:
     grow with the run's history.
     """
 
-    def __init__(self, store: Store, window: int = 4):
+    def __init__(self, store: Store, window: int = 4, worker: str | None = None):
         self.store, self.window = store, window
+        self.worker = worker  # this worker's id: its claims are written under it (None: it claims nothing)
+        self.others: dict[int, int] = {}  # version -> rows the other workers claim (admitted, not published)
+        self._claimed: tuple[int, int] | None = None  # the last claim written: (version, rows)
         self.rows = _RowCounts()
         self._watch = ShardWatch(store)
         self.demand: int | None = None  # samples the trainer's remaining steps still lack (None: unknown)
@@ -73,6 +88,7 @@ class BacklogGauge:
         self.trainer_running = bool(progress) and not done
         # once the trainer is DONE its schedule is over: rows sampled then are for a later run, paced as before
         self.schedule = None if done else schedule_in(progress, self.store)
+        self.others = self._other_claims() if self.schedule is not None else {}
         backlog = self.rows.total - int(progress.get("consumed_samples", 0)) - int(progress.get("expired_samples", 0))
         # demand-aware pacing (issue #14): what the remaining steps train, less what the backlog covers.
         # Expired rows left the backlog above; rows expiring while the trainer waits, it publishes then.
@@ -94,13 +110,38 @@ class BacklogGauge:
         schedule = self.schedule
         if schedule is None:
             return None
-        in_flight = {version: in_flight_rows} if in_flight_rows else {}
+        in_flight = dict(self.others)
+        if in_flight_rows:
+            in_flight[version] = in_flight.get(version, 0) + in_flight_rows
         pending = schedule.pending_at_or_below(version, self.rows.by_version, in_flight)
         allowed = schedule.prompts_allowed(version, pending, n)
         if allowed is None:
             return None
         room = (max_buffer_samples - self.live_rows(in_flight)) // n  # the backlog bounded in samples too
         return max(0, min(allowed, room))
+
+    def claim(self, version: int, rows: int) -> None:
+        """Say that this worker has `rows` rows of `version` admitted and not yet published (0: none); written
+        only when it changes, and only by a worker with an id."""
+        if self.worker is None or self._claimed == (version, rows):
+            return
+        record = {"worker": self.worker, "policy_version": version, "rows": rows}
+        self.store.write_bytes(layout.claim_path(self.worker), json.dumps(record).encode())
+        self._claimed = (version, rows)
+
+    def _other_claims(self) -> dict[int, int]:
+        """version -> rows the other workers claim (a claim being rewritten or unreadable counts as none)."""
+        claims: dict[int, int] = {}
+        for info in self.store.list_files(layout.CLAIMS):
+            if layout.claim_worker(info.base_name) == self.worker or not info.base_name.endswith(".json"):
+                continue
+            try:
+                record = json.loads(self.store.read_bytes(f"{layout.CLAIMS}/{info.base_name}"))
+                version, rows = int(record["policy_version"]), int(record["rows"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            claims[version] = claims.get(version, 0) + max(0, rows)
+        return claims
 
     def _quarantined_rows(self) -> int:
         """Rows of counted shards moved to quarantine/ (damaged): never trained, so no coverage (one LIST)."""

@@ -257,7 +257,7 @@ class RolloutWorker:
             )
 
         # The loop's state: pacing, the buffer of rows, what this call publishes, the progress display.
-        self.backlog_gauge = BacklogGauge(store, window=max(4, self.max_staleness + 2))
+        self.backlog_gauge = BacklogGauge(store, window=max(4, self.max_staleness + 2), worker=self.worker)
         self.backlog = 0
         self.admitted = None
         self.buffer = AgentShardBuffer() if self.agent else ShardBuffer(self.student_topk)
@@ -319,6 +319,7 @@ class RolloutWorker:
         )
         write_shard(self.store, layout.rollout_path(shard_id), buffer.table(shard_id, self.version), meta)
         self.backlog_gauge.rows[shard_id] = rows
+        self.backlog_gauge.claim(self.version, 0)  # published: counted as rows now, no longer claimed
         self.metrics.log(
             {
                 "shard": shard_id,
@@ -409,6 +410,8 @@ class RolloutWorker:
             count = min(count, self.admitted)
         if self.backlog_gauge.demand is not None:  # no more prompts than the trainer's remaining demand
             count = min(count, math.ceil((self.backlog_gauge.demand - len(buffer)) / cfg.n))
+        if self.admitted is not None:  # the other workers count these rows from now on (pacing.py, claims)
+            self.backlog_gauge.claim(self.version, len(buffer) + count * cfg.n)
         positions = self.stream.take(self.cursor, count)
         tic = time.monotonic()
         if not len(buffer):

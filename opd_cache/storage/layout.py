@@ -13,6 +13,7 @@
 <root>/train/skipped/<shard_id>.jsonl                 the rows of a shard never trained, and why
 <root>/leases/<teacher>/<shard_id>.000001.json        an annotate worker's lease (opd_cache/annotate/leases.py)
 <root>/holders/<name>.json                            a reader's hold on policy versions (storage/retention.py)
+<root>/claims/<worker>.json                           a rollout worker's rows not yet published (rollout/pacing.py)
 <root>/metrics/<stage>-<worker>.jsonl (or metrics/<stage>-<worker>/<segment>.jsonl on object stores)
 <root>/quarantine/<name> + <name>.reason.txt          <name>: the moved file's path with '/' as '__'
 <root>/launch/config.yaml                             the config `opd run` started the run with (launch/attach.py)
@@ -43,6 +44,7 @@ TRAIN_CONSUMED = "train/consumed"
 TRAIN_SKIPPED = "train/skipped"
 LEASES = "leases"  # annotate workers' shard leases (opd_cache/annotate/leases.py)
 HOLDERS = "holders"  # readers' holds on policy versions (opd_cache/storage/retention.py)
+CLAIMS = "claims"  # rollout workers' unpublished rows, counted by the others' admission (rollout/pacing.py)
 METRICS = "metrics"
 QUARANTINE = "quarantine"
 LAUNCH_CONFIG = "launch/config.yaml"  # the resolved config of the `opd run` that started the run (launch/attach.py)
@@ -236,6 +238,16 @@ def parse_lease_name(name: str) -> tuple[str, int] | None:
 def holder_path(name: str) -> str:
     """`holders/<name>.json`: the policy versions a reader (a rollout worker, the evaluator) holds."""
     return f"{HOLDERS}/{name}.json"
+
+
+def claim_path(worker: str) -> str:
+    """`claims/<worker>.json`: the rows a rollout worker has admitted and not yet published (issue #25)."""
+    return f"{CLAIMS}/{validate_worker_id(worker)}.json"
+
+
+def claim_worker(name: str) -> str:
+    """The worker a file name of `claims/` belongs to (`<worker>.json`)."""
+    return name.removesuffix(".json")
 
 
 def annotated_folder(name: str) -> str:

@@ -1,4 +1,4 @@
-"""Train the tiny teacher of the multi-turn (agent) demo and save it to data/models/agent_teacher/.
+"""Train the multi-turn (agent) demo's teacher and student: data/models/agent_teacher/ and agent_student/.
 
 The agent demo (examples/arithmetic_agent_cpu, docs/agents.md) renders the arithmetic prompt with the tools
 template (data/chat_templates/arithmetic_tools.jinja). Its teacher calls the calculator, reads the result and
@@ -7,23 +7,28 @@ answers in the GSM8K format:
     What is 37 + 48?\\n  [calc(37+48)]<eos>  = 85\\n   #### 85<eos>
     (user)              (assistant: trained) (tool)  (assistant: trained)
 
-The student is the shipped demo student (data/models/student), trained on the plain format: it answers
-" ans= 85" at once and never calls the tool. On-policy distillation alone has to teach it the call, the reading
-of the result and the answer format.
-
-The teacher also learns to recover from the student's habit: in a share of the training conversations
+The teacher also learns to recover from the student's habit: in a share of its training conversations
 (`--recovery-share`) the first assistant turn is an untrained " ans= N" (N right or off by a little), the user
 replies "Check it with calc." (the calculator environment's `require_tool` reply), and the teacher's trained
 turns call the tool and answer. With `require_tool: true` in the example's config this is the context of the
 student's early conversations, so the teacher's targets there are a call, not noise.
 
-Same recipe as data/make_demo_models.py (a 3-layer Llama of hidden size 64, the character tokenizer,
-supervised next-token loss on the trained tokens only, AdamW with warm-up and cosine decay); deterministic for a
-given seed and thread count; a few minutes on two CPU cores. The conversations are rendered by
-`render_conversation`, the same code that renders rollout rows, so the trained positions are those `opd rollout`
-masks in.
+The student is the shipped demo student (data/models/student: 2 layers, answers " ans= 85" in the plain format)
+fine-tuned on a mixture: plain answers, and tool conversations (`--tool-share`) whose opening "[" is trained in
+only `--call-share` of all conversations. It knows the call syntax and the answer after a result, but rarely
+starts a call: greedy, it never does (tool-call success 0, strict accuracy 0). On-policy distillation has to
+teach it *when* to call the tool. (The plain demo student untouched also learns the call, the copying of the
+operands and of the result from the teacher alone, but on CPU that takes far more than the demo's minutes:
+after 400 steps it called the tool in every conversation with the right operands in 56% and answered right in
+16%.)
 
-    python data/make_agent_models.py          # writes data/models/agent_teacher/ (its README.md included)
+Same recipe as data/make_demo_models.py (Llama of hidden size 64, the character tokenizer, supervised next-token
+loss on the trained tokens only, AdamW with warm-up and cosine decay); deterministic for a given seed and thread
+count. The conversations are rendered by `render_conversation`, the same code that renders rollout rows, so the
+trained positions are those `opd rollout` masks in.
+
+    python data/make_agent_models.py                          # both, about 25 min on a loaded 2-core machine
+    python data/make_agent_models.py --models agent_student   # the student only (3 min)
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import torch
 from opd_cache.config import AgentConfig
 from opd_cache.evaluate import _subset
 from opd_cache.evaluate_agent import evaluate_agent_model, evaluation_sampler
-from opd_cache.models import save_causal_lm
+from opd_cache.models import load_causal_lm, save_causal_lm
 from opd_cache.rollout.conversation import ChatRenderer, render_conversation
 from opd_cache.rollout.environment import CALC_TOOL, REQUIRE_TOOL_REPLY
 from opd_cache.rollout.messages import Message, ToolCall
@@ -79,13 +84,18 @@ def teacher_conversation(a: int, b: int, rng: random.Random, recovery_share: flo
     ]
 
 
-def conversation_tensors(renderer: ChatRenderer, conversations) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids [N, T] (right-padded with the pad token) and labels [N, T] (-100 where the loss mask is 0)."""
+def conversation_tensors(
+    renderer: ChatRenderer, conversations, untrained_first: list[bool] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [N, T] (right-padded with the pad token) and labels [N, T] (-100 where the loss mask is 0, and
+    at the first response token of the conversations `untrained_first` marks)."""
     rows, label_rows = [], []
-    for messages in conversations:
+    for i, messages in enumerate(conversations):
         row = render_conversation(renderer, messages)
         ids = row.prompt_ids.tolist() + row.response_ids.tolist()
         labels = [-100] * len(row.prompt_ids) + [t if m else -100 for t, m in zip(row.response_ids, row.loss_mask)]
+        if untrained_first is not None and untrained_first[i]:
+            labels[len(row.prompt_ids)] = -100
         rows.append(ids)
         label_rows.append(labels)
     width = max(map(len, rows))
@@ -98,6 +108,15 @@ def conversation_tensors(renderer: ChatRenderer, conversations) -> tuple[torch.T
     return input_ids, labels
 
 
+def student_conversation(a: int, b: int, rng: random.Random, tool_share: float, call_share: float):
+    """One fine-tuning conversation of the student and whether its first token is untrained (module docstring):
+    a plain answer " ans= N", or (`tool_share`) the tool conversation, whose opening "[" is trained only in a
+    `call_share` of all conversations, so that the student knows the call but rarely starts one."""
+    if rng.random() >= tool_share:
+        return [Message("user", f"What is {a} + {b}?"), Message("assistant", student_answer(a + b))], False
+    return teacher_conversation(a, b, rng, 0.0), rng.random() >= call_share / tool_share
+
+
 def operands(prompts) -> list[tuple[int, int]]:
     return [(json.loads(e)["a"], json.loads(e)["b"]) for e in prompts.extra]
 
@@ -105,66 +124,107 @@ def operands(prompts) -> list[tuple[int, int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=DATA / "models")
+    parser.add_argument("--models", default="agent_teacher,agent_student", help="which to build (comma-separated)")
     parser.add_argument("--teacher-steps", type=int, default=1000)
     parser.add_argument("--recovery-share", type=float, default=0.25)
-    parser.add_argument("--eval-prompts", type=int, default=400, help="held-out prompts for the README's table")
+    parser.add_argument("--student-steps", type=int, default=400)
+    parser.add_argument("--tool-share", type=float, default=0.5)
+    parser.add_argument("--call-share", type=float, default=0.1)
+    parser.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts for the README's table")
     recipe = demo_recipe()
     recipe.add_recipe_options(parser, seed=0, threads=1)
-    parser.set_defaults(batch_size=64)  # the committed teacher's build (its README.md)
+    parser.set_defaults(batch_size=64)  # the committed models' build (their README.md)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
 
     tokenizer = load_tokenizer(TOKENIZER)
     renderer = ChatRenderer.from_file(tokenizer, TOOLS_TEMPLATE, tools=[CALC_TOOL])
-    train = load_prompts(TRAIN_PROMPTS, tokenizer)
-    rng = random.Random(args.seed)
-    conversations = [teacher_conversation(a, b, rng, args.recovery_share) for a, b in operands(train)]
-    start = time.time()
-    model = recipe.recipe_model(tokenizer, 3, args.seed)
-    input_ids, labels = conversation_tensors(renderer, conversations)
-    recipe.supervise(model, input_ids, labels, args.teacher_steps, args.batch_size, args.lr, args.seed, "agent_teacher")
-    out = args.out_dir / "agent_teacher"
-    save_causal_lm(model, tokenizer, out)
-    elapsed = time.time() - start
+    pairs = operands(load_prompts(TRAIN_PROMPTS, tokenizer))
+    for name in args.models.split(","):
+        torch.manual_seed(args.seed)
+        rng = random.Random(args.seed)
+        start = time.time()
+        if name == "agent_teacher":
+            model = recipe.recipe_model(tokenizer, 3, args.seed)
+            conversations = [teacher_conversation(a, b, rng, args.recovery_share) for a, b in pairs]
+            input_ids, labels = conversation_tensors(renderer, conversations)
+            steps = args.teacher_steps
+        elif name == "agent_student":
+            model = load_causal_lm(STUDENT)  # the demo student, fine-tuned: it already adds and reads operands
+            made = [student_conversation(a, b, rng, args.tool_share, args.call_share) for a, b in pairs]
+            input_ids, labels = conversation_tensors(renderer, [m for m, _ in made], [u for _, u in made])
+            steps = args.student_steps
+        else:
+            raise SystemExit(f"--models: unknown model {name!r} (expected agent_teacher, agent_student)")
+        recipe.supervise(model, input_ids, labels, steps, args.batch_size, args.lr, args.seed, name)
+        save_causal_lm(model, tokenizer, args.out_dir / name)
+        elapsed = time.time() - start
+        results = evaluate_saved(args.out_dir / name, tokenizer, args.eval_prompts)
+        results[name]["params"] = sum(p.numel() for p in model.parameters())
+        print(f"{name}: done in {elapsed:.0f} s")
+        write_readme(args.out_dir / name, name, steps, args, results, elapsed, args.eval_prompts)
 
-    # Evaluate what was saved, as the demo loads it: greedy conversations with the calculator, held-out prompts.
-    test = _subset(load_prompts(TEST_PROMPTS, tokenizer), args.eval_prompts)
+
+def evaluate_saved(path: Path, tokenizer, num_prompts: int) -> dict:
+    """Greedy conversations with the calculator on held-out prompts, as the demo loads the model; the shipped
+    demo student for comparison."""
+    test = _subset(load_prompts(TEST_PROMPTS, tokenizer), num_prompts)
     agent = AgentConfig(environment="calculator", chat_template=str(TOOLS_TEMPLATE), max_turns=3, max_tokens=96)
     sampler = evaluation_sampler(agent, tokenizer, MAX_NEW_TOKENS)
     results = {}
-    for name, path in (("agent_teacher", out), ("student", STUDENT)):
-        result = evaluate_agent_model(path, test, tokenizer, sampler, device="cpu")
+    for name, model_path in ((path.name, path), ("student", STUDENT)):
+        result = evaluate_agent_model(model_path, test, tokenizer, sampler, device="cpu")
         results[name] = {k: getattr(result, k) for k in ("tool_success", "strict", "lenient", "turns")}
         print(f"{name}: {results[name]}  example {result.example!r}")
-    results["agent_teacher"]["params"] = sum(p.numel() for p in model.parameters())
-    print(f"done in {elapsed:.0f} s")
-    write_readme(out, args, results, elapsed, len(test))
+    return results
 
 
-def write_readme(out: Path, args, results: dict, elapsed: float, num_test: int) -> None:
+RECIPES = {  # what each model is and how it was trained (its README.md)
+    "agent_teacher": (
+        "The teacher of the multi-turn demo: a 3-layer Llama-style model ({params:,} parameters, hidden 64, 4 heads, "
+        "ffn 256, tied embeddings) over the character tokenizer, trained from scratch on conversations rendered "
+        "with `data/chat_templates/arithmetic_tools.jinja`: `What is 37 + 48?\\n` → `[calc(37+48)]<eos>` → "
+        "`= 85\\n` → ` #### 85<eos>` ({recovery_share:.0%} of them after an untrained ` ans= N<eos>` and the "
+        "reply `Check it with calc.`)."
+    ),
+    "agent_student": (
+        "The student of the multi-turn demo: the shipped demo student (`data/models/student`, 2 layers, "
+        "{params:,} parameters) fine-tuned on a mixture: {plain:.0%} plain answers ` ans= N<eos>` and "
+        "{tool_share:.0%} tool conversations (`[calc(37+48)]<eos>` → `= 85\\n` → ` #### 85<eos>`) whose "
+        "opening `[` is trained in only {call_share:.0%} of all conversations. It knows the call and how to "
+        "answer after a result, but rarely starts a call: greedy, it answers ` ans= N` at once."
+    ),
+}
+
+
+def write_readme(out: Path, name: str, steps: int, args, results: dict, elapsed: float, num_test: int) -> None:
     rows = "\n".join(
-        f"| {name} | {r['tool_success']:.3f} | {r['strict']:.3f} | {r['lenient']:.3f} | {r['turns']:.2f} |"
-        for name, r in results.items()
+        f"| {model} | {r['tool_success']:.3f} | {r['strict']:.3f} | {r['lenient']:.3f} | {r['turns']:.2f} |"
+        for model, r in results.items()
+    )
+    about = RECIPES[name].format(
+        params=results[name]["params"],
+        recovery_share=args.recovery_share,
+        plain=1 - args.tool_share,
+        tool_share=args.tool_share,
+        call_share=args.call_share,
     )
     command = (
-        f"python data/make_agent_models.py --teacher-steps {args.teacher_steps} --recovery-share "
-        f"{args.recovery_share} --batch-size {args.batch_size} --lr {args.lr} --seed {args.seed} "
-        f"--threads {args.threads}"
+        f"python data/make_agent_models.py --models {name} --teacher-steps {args.teacher_steps} "
+        f"--recovery-share {args.recovery_share} --student-steps {args.student_steps} --tool-share "
+        f"{args.tool_share} --call-share {args.call_share} --batch-size {args.batch_size} --lr {args.lr} "
+        f"--seed {args.seed} --threads {args.threads}"
     )
-    text = f"""# Agent demo teacher
+    text = f"""# {name}
 
-The teacher of the multi-turn demo (examples/arithmetic_agent_cpu, docs/agents.md), trained by
-`data/make_agent_models.py`: a 3-layer Llama-style model ({results["agent_teacher"]["params"]:,} parameters,
-hidden 64, 4 heads, ffn 256, tied embeddings) over the character tokenizer, on conversations rendered with
-`data/chat_templates/arithmetic_tools.jinja`: `What is 37 + 48?\\n` → `[calc(37+48)]<eos>` → `= 85\\n` →
-` #### 85<eos>` ({args.recovery_share:.0%} of them after an untrained ` ans= N<eos>` and the reply
-`Check it with calc.`). Loss on the assistant tokens only; AdamW {args.lr}, batch {args.batch_size},
-{args.teacher_steps} steps.
+{about}
+
+Built by `data/make_agent_models.py` for examples/arithmetic_agent_cpu (docs/agents.md): loss on the assistant
+tokens only, AdamW {args.lr} with warm-up and cosine decay, batch {args.batch_size}, {steps} steps.
 
 Greedy conversations with the calculator environment (`require_tool` off, 3 turns, 16 tokens a turn) on the
 first {num_test} held-out prompts (`data/arithmetic/test.parquet`), measured on the saved checkpoint
-(`opd_cache/evaluate_agent.py`); the agent demo's student, the shipped demo student, for comparison:
+(`opd_cache/evaluate_agent.py`), and the shipped demo student for comparison:
 
 | model | tool-call success | strict | lenient | turns |
 |---|---|---|---|---|

@@ -15,7 +15,7 @@ from opd_cache.models import load_causal_lm
 from opd_cache.tasks.prompts import load_prompts
 from tests.conftest import REPO
 
-AGENT_TEACHER, STUDENT = REPO / "data/models/agent_teacher", REPO / "data/models/student"
+AGENT_TEACHER, AGENT_STUDENT = REPO / "data/models/agent_teacher", REPO / "data/models/agent_student"
 TOOLS_TEMPLATE = REPO / "data/chat_templates/arithmetic_tools.jinja"
 
 
@@ -47,7 +47,7 @@ def test_masked_kl_sums_the_trained_positions_only(tiny_model_factory):
     )
 
 
-def test_the_agent_teacher_calls_the_tool_and_the_demo_student_does_not(tokenizer):
+def test_the_agent_teacher_calls_the_tool_and_the_agent_student_does_not(tokenizer):
     prompts = _subset(load_prompts(REPO / "data/arithmetic/test.parquet", tokenizer), 16)
     agent = AgentConfig(
         environment="calculator",
@@ -63,9 +63,9 @@ def test_the_agent_teacher_calls_the_tool_and_the_demo_student_does_not(tokenize
     assert teacher.example.startswith("[calc(")
 
     student = evaluate_agent_model(
-        STUDENT, prompts, tokenizer, sampler, teacher=load_causal_lm(AGENT_TEACHER).eval(), device="cpu"
+        AGENT_STUDENT, prompts, tokenizer, sampler, teacher=load_causal_lm(AGENT_TEACHER).eval(), device="cpu"
     )
-    # the plain-format student answers " ans= N" at once: right by the lenient parser, never the tool
+    # greedy, the student answers " ans= N" at once: right by the lenient parser, never the tool
     assert student.tool_success == 0.0 and student.strict == 0.0 and student.lenient >= 0.9, student
     assert student.end_reasons == {"answered_without_tool": 16} and student.turns == 1.0
     assert student.kl is not None and student.kl > 1.0  # the teacher would have called the tool

@@ -28,7 +28,7 @@ count. The conversations are rendered by `render_conversation`, the same code th
 trained positions are those `opd rollout` masks in.
 
     python data/make_agent_models.py                          # both, about 25 min on a loaded 2-core machine
-    python data/make_agent_models.py --models agent_student   # the student only (3 min)
+    python data/make_agent_models.py --models agent_student   # the student only (5 min)
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--models", default="agent_teacher,agent_student", help="which to build (comma-separated)")
     parser.add_argument("--teacher-steps", type=int, default=1000)
     parser.add_argument("--recovery-share", type=float, default=0.25)
-    parser.add_argument("--student-steps", type=int, default=400)
+    parser.add_argument("--student-steps", type=int, default=800)
     parser.add_argument("--tool-share", type=float, default=0.5)
     parser.add_argument("--call-share", type=float, default=0.1)
     parser.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts for the README's table")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -128,8 +129,10 @@ def test_the_agent_example_learns_the_tool_from_the_teacher(tmp_path, monkeypatc
     config = REPO / "examples/arithmetic_agent_cpu/config.yaml"
     store_dir = tmp_path / "store"
     command = [sys.executable, "-m", "opd_cache.cli", "run", "--config", str(config), "--store", str(store_dir)]
+    tic = time.monotonic()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout + result.stderr
+    print(f"opd run: {time.monotonic() - tic:.0f} s")
     store = Store(store_dir)
     rows = masked = 0
     for info in store.shards.rollouts():

@@ -60,35 +60,55 @@ def _subset(prompts: PromptSet, max_prompts: int | None) -> PromptSet:
         extra=prompts.extra[keep],
         row_index=prompts.row_index[keep],
         source=prompts.source,
+        messages=prompts.messages[keep],
     )
 
 
-@torch.inference_mode()
 def sequence_kl(
     student, teacher, prompt_ids: list[list[int]], responses: list[Response], device, batch_size: int = 64
 ) -> tuple[float, int]:
-    """Sum over response tokens of KL(teacher ‖ student) (full vocabulary), and the token count.
+    """Sum over response tokens of KL(teacher ‖ student) (full vocabulary), and the token count."""
+    response_ids = [r.token_ids.tolist() for r in responses]
+    return masked_sequence_kl(student, teacher, prompt_ids, response_ids, None, device, batch_size)
+
+
+@torch.inference_mode()
+def masked_sequence_kl(
+    student,
+    teacher,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    masks: list | None,
+    device,
+    batch_size: int = 64,
+) -> tuple[float, int]:
+    """Sum of KL(teacher ‖ student) (full vocabulary) over the response tokens whose mask is 1 (every token
+    when `masks` is None, or a row's mask is None: a conversation's trained positions), and their count.
 
     Sequences are right-padded; row t of a response is predicted at position
     prompt_len + t - 1 (the off-by-one every teacher-forced scorer must get right).
     """
     total, count = 0.0, 0
-    for start in range(0, len(responses), batch_size):
-        batch = range(start, min(start + batch_size, len(responses)))
-        seqs = [list(prompt_ids[i]) + responses[i].token_ids.tolist() for i in batch]
+    for start in range(0, len(response_ids), batch_size):
+        batch = range(start, min(start + batch_size, len(response_ids)))
+        seqs = [list(prompt_ids[i]) + list(response_ids[i]) for i in batch]
         ids, mask = right_pad(seqs, device)
         s_logits = student(input_ids=ids, attention_mask=mask).logits.float()
         t_logits = teacher(input_ids=ids, attention_mask=mask).logits.float()
         vocab = min(s_logits.shape[-1], t_logits.shape[-1])  # padded embedding rows are not tokens
         for row, i in enumerate(batch):
-            p_len, r_len = len(prompt_ids[i]), len(responses[i].token_ids)
+            p_len, r_len = len(prompt_ids[i]), len(response_ids[i])
             if r_len == 0:
                 continue
             pos = slice(p_len - 1, p_len - 1 + r_len)
             log_q = F.log_softmax(s_logits[row, pos, :vocab], dim=-1)
             log_p = F.log_softmax(t_logits[row, pos, :vocab], dim=-1)
-            total += float((log_p.exp() * (log_p - log_q)).sum())
-            count += r_len
+            per_token = (log_p.exp() * (log_p - log_q)).sum(-1)
+            if masks is not None and masks[i] is not None:
+                keep = torch.as_tensor(np.asarray(masks[i]) == 1, device=per_token.device)
+                per_token = per_token[keep]
+            total += float(per_token.sum())
+            count += len(per_token)
     return total, count
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -117,39 +118,45 @@ def test_agent_config_errors_name_the_key(tokenizer):
         sampler(student_topk=2)
 
 
-@pytest.mark.slow  # the example's whole pipeline (`opd run`), 30-90 s on 2 cores: run by .ci/run's `-m slow` step
-def test_the_agent_example_runs_and_its_masked_loss_falls(tmp_path):
+@pytest.mark.slow  # the example's whole pipeline (`opd run`) and its evaluation, 3-8 min on 2 cores: .ci/run's -m slow
+def test_the_agent_example_learns_the_tool_from_the_teacher(tmp_path, monkeypatch):
+    """Issue #28's bar: after `opd run` of the example, the student's greedy conversations on held-out prompts
+    reach ≥ 80% of the teacher's tool-call success and final-answer (strict) accuracy, and the KL at its trained
+    positions falls ≥ 5× (opd_cache/evaluate_agent.py). The student starts at 0 on both: greedy, it never calls
+    the tool."""
+    from opd_cache.evaluate_agent import evaluate_agent_run, format_table
+
+    config = REPO / "examples/arithmetic_agent_cpu/config.yaml"
     store_dir = tmp_path / "store"
-    command = [
-        sys.executable,
-        "-m",
-        "opd_cache.cli",
-        "run",
-        "--config",
-        "examples/arithmetic_agent_cpu/config.yaml",
-        "--store",
-        str(store_dir),
-        "--set",
-        "train.max_steps=20",
-    ]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "-m", "opd_cache.cli", "run", "--config", str(config), "--store", str(store_dir)]
+    tic = time.monotonic()
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout + result.stderr
+    print(f"opd run: {time.monotonic() - tic:.0f} s")
     store = Store(store_dir)
-    shards = store.shards.rollouts()
-    assert shards
     rows = masked = 0
-    for info in shards:
+    for info in store.shards.rollouts():
         rollout, _ = read_shard(store, info.path, kind=ROLLOUT)
+        if "loss_mask" not in rollout.schema.names:
+            rows += rollout.num_rows
+            continue
         # a conversation with environment text between its turns has a mask with zeros; one that ended in its
-        # first turn (its token budget spent before any tool call) has none (null: every token trained)
+        # first turn (an answer cut by the turn limit) has none (null: every token trained)
         with_env = rollout["loss_mask"].is_valid().to_numpy(zero_copy_only=False)
         lengths = np.diff(rollout["response_ids"].combine_chunks().offsets)
         assert np.all(trained_lengths(rollout)[with_env] < lengths[with_env])
         rows, masked = rows + rollout.num_rows, masked + int(with_env.sum())
-    assert masked >= 0.8 * rows, (masked, rows)  # the calculator environment asks for the tool: most call it
-    losses = [json.loads(line)["loss"] for line in store.read_bytes("metrics/train-0.jsonl").decode().splitlines()]
-    assert len(losses) == 20
-    assert np.mean(losses[-3:]) < 0.6 * np.mean(losses[:3]), losses
+    assert masked >= 0.8 * rows, (masked, rows)  # most conversations have environment text: the tool loop ran
+
+    monkeypatch.chdir(REPO)  # the config's paths are relative to the repository root
+    cfg = load_config(str(config), overrides={"store.uri": str(store_dir)})
+    report = evaluate_agent_run(cfg, str(REPO / "data/arithmetic/test.parquet"), max_prompts=200, device="cpu")
+    table = format_table(report)
+    print(table)
+    teacher, before = report["teacher"], report["before"]
+    assert teacher["tool_success"] >= 0.95 and teacher["strict"] >= 0.9, table  # the teacher shows the way
+    assert before["tool_success"] == 0.0 and before["strict"] == 0.0, table  # the student starts without it
+    assert report["bar"]["passed"], table
 
 
 def test_writer_conversations_annotate_and_train_exactly_once(local_store, tokenizer):

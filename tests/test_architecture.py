@@ -9,7 +9,7 @@ Layers, bottom up. A module imports from its own package and from lower layers, 
     0  core        config (+ config_sources), engine, models, tokenizer, vllm_common, target_flags (and the package root, _moved)
     1  storage     storage/            the store: layout, atomic files, shards, manifest, retention
     2  libraries   losses/, flow/, observe/, tasks/, and testing.py (synthetic shards, for tests and benchmarks)
-    3  stages      rollout/, annotate/, train/, and their peers evaluate.py and export.py
+    3  stages      rollout/, annotate/, train/, and their peers evaluate.py, evaluate_agent.py and export.py
     4  launch      launch/             `opd run`, Ray, `opd demo`
     5  cli         cli/
 
@@ -44,6 +44,7 @@ LAYERS = {  # the first name under opd_cache -> layer (CORE modules: 0)
     "annotate": 3,
     "train": 3,
     "evaluate": 3,
+    "evaluate_agent": 3,
     "export": 3,
     "launch": 4,
     "cli": 5,
@@ -54,6 +55,8 @@ LAYER_NAMES = ("core", "storage", "libraries", "stages", "launch", "cli")
 PEER_IMPORTS = {
     ("opd_cache.evaluate", "opd_cache.rollout.hf_generate"): "the evaluator samples with rollout's HF engine",
     ("opd_cache.export", "opd_cache.train.shard_data"): "export reads shards through the trainer's validated reader",
+    ("opd_cache.evaluate_agent", "opd_cache.evaluate"): "the agent evaluator reuses the evaluator's engine and KL",
+    ("opd_cache.evaluate_agent", "opd_cache.rollout.agent"): "the agent evaluator runs rollout's conversation loop",
 }
 
 # (package root, imported): the public names `opd_cache` hands on, imported on first use (a module

@@ -91,7 +91,7 @@ class AgentSampler:
     ) -> tuple[int, int]:
         """Run `n` conversations for each prompt at `positions`, add them to `buffer`; (rows, response tokens)."""
         prompt_of = [int(p) for p in positions for _ in range(n)]
-        inputs = [_environment_prompt(prompts, p) for p in prompt_of]
+        inputs = [environment_prompt(prompts, p) for p in prompt_of]
         envs = [self.environment() for _ in inputs]
         conversations = run_conversations(engine_generate_fn(engine, request), envs, inputs, self.renderer, self.limits)
         tokens = 0
@@ -130,7 +130,7 @@ class AgentSampler:
             raise RuntimeError(f"conversation of prompt row {prompts.row_index[p]}: {e}") from None
 
 
-def _environment_prompt(prompts: PromptSet, p: int) -> dict:
+def environment_prompt(prompts: PromptSet, p: int) -> dict:
     """What `env.reset` gets: the prompt's last user message as `question`, its ground truth, all its messages."""
     messages = prompts.messages[p] if prompts.messages else []
     users = [m["content"] for m in messages if m.get("role") == "user"]

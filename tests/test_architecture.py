@@ -14,7 +14,7 @@ Layers, bottom up. A module imports from its own package and from lower layers, 
     5  cli         cli/
 
 Within one layer packages are independent (core modules may import each other, without cycles): above all,
-the stages never import each other, they meet only in the store. Two imports between peers are allowed,
+the stages never import each other, they meet only in the store. A few imports between peers are allowed,
 each named in PEER_IMPORTS with its reason; a new one is a design decision, not a line to add here.
 
 Modules stay readable: at most MAX_LINES lines. OVERSIZED lists the modules being split (temporarily).

@@ -8,6 +8,9 @@ store, with the schedule written by the test, so nothing waits on time.
 
 from __future__ import annotations
 
+import json
+import time
+
 from opd_cache.flow.schedule import TrainSchedule
 from opd_cache.rollout.pacing import BacklogGauge
 from opd_cache.storage import layout
@@ -69,3 +72,48 @@ def test_a_worker_without_an_id_claims_nothing_and_an_unreadable_claim_counts_as
     assert store.list_files(layout.CLAIMS) == []
     store.write_bytes(layout.claim_path("w02"), b"{not json")
     assert allowed(BacklogGauge(store, worker="w00")) == 6
+
+
+def claim_file(store, worker: str, version: int, rows: int, made_at: float) -> None:
+    """A claim as another worker writes it, with the time it was made."""
+    record = {"worker": worker, "policy_version": version, "rows": rows, "made_at": made_at}
+    store.write_bytes(layout.claim_path(worker), json.dumps(record).encode())
+
+
+def test_of_two_workers_deciding_in_the_same_poll_the_later_claim_gives_way(student_store, tmp_path):
+    """Both polled before either claimed (6 prompts admitted to each): the first to claim keeps its 6, the
+    second, reading the first's claim after writing its own, samples none."""
+    store = student_store
+    mid_run(store, tmp_path / "policy")
+    w00, w01 = BacklogGauge(store, worker="w00"), BacklogGauge(store, worker="w01")
+    assert allowed(w00) == allowed(w01) == 6
+    assert w00.admit_claimed(3, 0, 6, N, 1000) == 6
+    assert w01.admit_claimed(3, 0, 6, N, 1000) == 0
+    assert json.loads(store.read_bytes(layout.claim_path("w01")))["rows"] == 0  # cut to what it samples
+
+
+def test_a_claim_made_later_does_not_hold_back_an_earlier_one(student_store, tmp_path):
+    """The other order of the race: w01 claimed after w00 but w00 reads it (both wrote, then both read): w00
+    keeps its slots, and w01, whose claim is the later one, gives way when it reads w00's."""
+    store = student_store
+    mid_run(store, tmp_path / "policy")
+    w00, w01 = BacklogGauge(store, worker="w00"), BacklogGauge(store, worker="w01")
+    assert allowed(w00) == allowed(w01) == 6
+    claim_file(store, "w01", 3, 6 * N, made_at=time.time() + 3600)  # w01's claim, made after w00's below
+    assert w00.admit_claimed(3, 0, 6, N, 1000) == 6
+    w01._claimed = (3, 6 * N, json.loads(store.read_bytes(layout.claim_path("w01")))["made_at"])
+    assert w01.admit_claimed(3, 0, 6, N, 1000) == 0
+    # an earlier claim of part of the slots leaves the rest: 2 prompts of 8 rows taken, 4 prompts left
+    claim_file(store, "w01", 3, 2 * N, made_at=0.0)
+    assert w00.admit_claimed(3, 0, 6, N, 1000) == 4
+
+
+def test_rows_published_between_the_poll_and_the_claim_are_counted(student_store, tmp_path):
+    """w01 publishes its 16 rows (its claim back to 0) after w00's poll: w00's second look lists them."""
+    store = student_store
+    mid_run(store, tmp_path / "policy")
+    w00 = BacklogGauge(store, worker="w00")
+    assert allowed(w00) == 6
+    add_rows(store, 3, 4 * N, worker="w01")
+    claim_file(store, "w01", 3, 0, made_at=0.0)
+    assert w00.admit_claimed(3, 0, 6, N, 1000) == 2

@@ -15,9 +15,15 @@ making them. A worker with an id *claims* before each generate() call the rows i
 published (`claims/<worker>.json`: version and rows; 0 after its flush), and every gauge adds the other workers'
 claims to its in-flight rows (one LIST of `claims/` and a read per worker, with the listing it already makes).
 Without claims two workers that reload the same version admit the same slots: with a version per step, each
-version's batch was sampled twice and half of it expired (docs/benchmarks.md, "~100M parameters"). A claim is
-read at the next poll, so two workers that decide within one poll of each other can still both be admitted; a
-dead worker's claim is counted until its version is dead (at most max_staleness + 1 versions).
+version's batch was sampled twice and half of it expired (docs/benchmarks.md, "~100M parameters").
+
+Two workers that decide within one poll of each other would still both be admitted (each decided before the
+other's claim existed), so a claim is a two-step decision (`admit_claimed`): write the claim, stamped with the
+time it was made, then read the other claims again and give way to every claim made earlier (ordered by
+(time, worker id), the same order for every reader): the later of two racing workers cuts its call to what the
+earlier one left. Claims are read before the listing, so a shard published in between is counted (as a claim,
+as rows, or both: never neither). A dead worker's claim is counted until its version is dead (a restarted
+worker's first claim replaces it).
 
 Without a schedule (a trainer older than #25, a token budget before its first batch, a finished trainer), the
 count pacing of before: the unconsumed backlog against `max_buffer_samples`, and the trainer's remaining demand
@@ -27,6 +33,7 @@ in samples (issue #14).
 from __future__ import annotations
 
 import json
+import time
 
 import pyarrow as pa
 
@@ -67,7 +74,7 @@ class BacklogGauge:
         self.store, self.window = store, window
         self.worker = worker  # this worker's id: its claims are written under it (None: it claims nothing)
         self.others: dict[int, int] = {}  # version -> rows the other workers claim (admitted, not published)
-        self._claimed: tuple[int, int] | None = None  # the last claim written: (version, rows)
+        self._claimed: tuple[int, int, float] | None = None  # the last claim written: (version, rows, made_at)
         self.rows = _RowCounts()
         self._watch = ShardWatch(store)
         self.demand: int | None = None  # samples the trainer's remaining steps still lack (None: unknown)
@@ -76,19 +83,14 @@ class BacklogGauge:
         self.schedule: TrainSchedule | None = None  # the trainer's (None: pace by count, as before #25)
 
     def backlog(self) -> int:
-        latest = self.store.latest_version()
-        for shard in self._watch.poll(latest - self.window, latest):
-            if shard.shard_id not in self.rows:
-                try:
-                    self.rows[shard.shard_id] = count_rows(self.store, shard.path)
-                except (OSError, pa.ArrowInvalid):
-                    self.rows[shard.shard_id] = 0  # unreadable: annotate will quarantine it
+        others = self._other_claims()  # before the listing: a shard published meanwhile is counted, not lost
+        self._count_new_shards()
         progress = self.store.read_progress()
         done = self.store.is_done()
         self.trainer_running = bool(progress) and not done
         # once the trainer is DONE its schedule is over: rows sampled then are for a later run, paced as before
         self.schedule = None if done else schedule_in(progress, self.store)
-        self.others = self._other_claims() if self.schedule is not None else {}
+        self.others = others if self.schedule is not None else {}
         backlog = self.rows.total - int(progress.get("consumed_samples", 0)) - int(progress.get("expired_samples", 0))
         # demand-aware pacing (issue #14): what the remaining steps train, less what the backlog covers.
         # Expired rows left the backlog above; rows expiring while the trainer waits, it publishes then.
@@ -120,28 +122,61 @@ class BacklogGauge:
         room = (max_buffer_samples - self.live_rows(in_flight)) // n  # the backlog bounded in samples too
         return max(0, min(allowed, room))
 
-    def claim(self, version: int, rows: int) -> None:
-        """Say that this worker has `rows` rows of `version` admitted and not yet published (0: none); written
-        only when it changes, and only by a worker with an id."""
-        if self.worker is None or self._claimed == (version, rows):
-            return
-        record = {"worker": self.worker, "policy_version": version, "rows": rows}
-        self.store.write_bytes(layout.claim_path(self.worker), json.dumps(record).encode())
-        self._claimed = (version, rows)
+    def admit_claimed(self, version: int, own_rows: int, count: int, n: int, max_buffer_samples: int) -> int:
+        """Claim `count` more prompts at `version` (besides the worker's `own_rows` unpublished rows), then give
+        way to the claims other workers made earlier: the prompts this worker may really sample (≤ `count`).
 
-    def _other_claims(self) -> dict[int, int]:
-        """version -> rows the other workers claim (a claim being rewritten or unreadable counts as none)."""
+        Called just before generate(), after `prompts_allowed` decided `count` from the last poll."""
+        if self.worker is None or self.schedule is None:
+            return count
+        mine = self.claim(version, own_rows + count * n)
+        self.others = self._other_claims(made_before=mine)
+        self._count_new_shards()  # after the claims: rows a worker published meanwhile (its claim now 0)
+        allowed = self.prompts_allowed(version, own_rows, n, max_buffer_samples)
+        if allowed is not None and allowed < count:
+            count = allowed
+            self.claim(version, own_rows + count * n)
+        return count
+
+    def claim(self, version: int, rows: int) -> tuple[float, str] | None:
+        """Say that this worker has `rows` rows of `version` admitted and not yet published (0: none); written
+        only when it changes, and only by a worker with an id. Returns the claim's order key (time, worker)."""
+        if self.worker is None:
+            return None
+        if self._claimed is None or self._claimed[:2] != (version, rows):
+            made_at = time.time()
+            record = {"worker": self.worker, "policy_version": version, "rows": rows, "made_at": made_at}
+            self.store.write_bytes(layout.claim_path(self.worker), json.dumps(record).encode())
+            self._claimed = (version, rows, made_at)
+        return (self._claimed[2], self.worker)
+
+    def _other_claims(self, made_before: tuple[float, str] | None = None) -> dict[int, int]:
+        """version -> rows the other workers claim (all, or those made before `made_before`); a claim being
+        rewritten or unreadable counts as none."""
         claims: dict[int, int] = {}
         for info in self.store.list_files(layout.CLAIMS):
-            if layout.claim_worker(info.base_name) == self.worker or not info.base_name.endswith(".json"):
+            worker = layout.claim_worker(info.base_name)
+            if worker == self.worker or not info.base_name.endswith(".json"):
                 continue
             try:
                 record = json.loads(self.store.read_bytes(f"{layout.CLAIMS}/{info.base_name}"))
                 version, rows = int(record["policy_version"]), int(record["rows"])
+                made_at = float(record.get("made_at", 0.0))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
+            if made_before is not None and (made_at, worker) >= made_before:
+                continue  # made after this worker's claim: that worker gives way, not this one
             claims[version] = claims.get(version, 0) + max(0, rows)
         return claims
+
+    def _count_new_shards(self) -> None:
+        latest = self.store.latest_version()
+        for shard in self._watch.poll(latest - self.window, latest):
+            if shard.shard_id not in self.rows:
+                try:
+                    self.rows[shard.shard_id] = count_rows(self.store, shard.path)
+                except (OSError, pa.ArrowInvalid):
+                    self.rows[shard.shard_id] = 0  # unreadable: annotate will quarantine it
 
     def _quarantined_rows(self) -> int:
         """Rows of counted shards moved to quarantine/ (damaged): never trained, so no coverage (one LIST)."""

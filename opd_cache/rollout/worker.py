@@ -410,8 +410,10 @@ class RolloutWorker:
             count = min(count, self.admitted)
         if self.backlog_gauge.demand is not None:  # no more prompts than the trainer's remaining demand
             count = min(count, math.ceil((self.backlog_gauge.demand - len(buffer)) / cfg.n))
-        if self.admitted is not None:  # the other workers count these rows from now on (pacing.py, claims)
-            self.backlog_gauge.claim(self.version, len(buffer) + count * cfg.n)
+        if self.admitted is not None:  # claimed: the other workers count these rows from now on (pacing.py)
+            count = self.backlog_gauge.admit_claimed(self.version, len(buffer), count, cfg.n, cfg.max_buffer_samples)
+            if count <= 0:
+                return  # another worker claimed these slots first: wait for the next poll
         positions = self.stream.take(self.cursor, count)
         tic = time.monotonic()
         if not len(buffer):

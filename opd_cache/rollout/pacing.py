@@ -83,14 +83,14 @@ class BacklogGauge:
         self.schedule: TrainSchedule | None = None  # the trainer's (None: pace by count, as before #25)
 
     def backlog(self) -> int:
-        others = self._other_claims()  # before the listing: a shard published meanwhile is counted, not lost
-        self._count_new_shards()
-        progress = self.store.read_progress()
+        progress = self.store.read_progress()  # before the listing: no row consumed that the listing misses
         done = self.store.is_done()
         self.trainer_running = bool(progress) and not done
         # once the trainer is DONE its schedule is over: rows sampled then are for a later run, paced as before
         self.schedule = None if done else schedule_in(progress, self.store)
-        self.others = others if self.schedule is not None else {}
+        # the claims before the listing too: a shard published in between is counted (claimed, listed or both)
+        self.others = self._other_claims() if self.schedule is not None else {}
+        self._count_new_shards()
         backlog = self.rows.total - int(progress.get("consumed_samples", 0)) - int(progress.get("expired_samples", 0))
         # demand-aware pacing (issue #14): what the remaining steps train, less what the backlog covers.
         # Expired rows left the backlog above; rows expiring while the trainer waits, it publishes then.

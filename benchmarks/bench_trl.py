@@ -59,7 +59,7 @@ from bench_pipeline import Clock, child_env, measure, run_pipeline
 from common import write_results
 
 from opd_cache.config import Config
-from opd_cache.evaluate import _subset, evaluate_model, load_teacher, resolve_model
+from opd_cache.evaluate import evaluate_model, first_prompts, load_teacher, resolve_model
 from opd_cache.launch.demo import demo_config, ensure_demo_models
 from opd_cache.rollout.prompt_stream import PromptStream
 from opd_cache.tasks.prompts import load_prompts
@@ -326,7 +326,7 @@ def main() -> None:
 
     # one evaluation for every model: the project's evaluator, the demo's held-out prompts
     print("evaluating the students on the held-out prompts…", flush=True)
-    prompts = _subset(load_prompts(cfg.eval.prompts, tokenizer), cfg.eval.max_prompts)
+    prompts = first_prompts(load_prompts(cfg.eval.prompts, tokenizer), cfg.eval.max_prompts)
     teacher = load_teacher(cfg.annotate.teacher, tokenizer, "cpu")
     results = {"before": {"model": cfg.rollout.student}, **results}
     for r in results.values():

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from opd_cache.config import AgentConfig
-from opd_cache.evaluate import _subset
+from opd_cache.evaluate import first_prompts
 from opd_cache.evaluate_agent import evaluate_agent_model, evaluation_sampler
 from opd_cache.models import load_causal_lm, save_causal_lm
 from opd_cache.rollout.conversation import ChatRenderer, render_conversation
@@ -168,7 +168,7 @@ def main() -> None:
 def evaluate_saved(path: Path, tokenizer, num_prompts: int) -> dict:
     """Greedy conversations with the calculator on held-out prompts, as the demo loads the model; the shipped
     demo student for comparison."""
-    test = _subset(load_prompts(TEST_PROMPTS, tokenizer), num_prompts)
+    test = first_prompts(load_prompts(TEST_PROMPTS, tokenizer), num_prompts)
     agent = AgentConfig(environment="calculator", chat_template=str(TOOLS_TEMPLATE), max_turns=3, max_tokens=96)
     sampler = evaluation_sampler(agent, tokenizer, MAX_NEW_TOKENS)
     results = {}

@@ -49,7 +49,7 @@ class EvalResult:
     example: str  # the first answer, for eyeballing
 
 
-def _subset(prompts: PromptSet, max_prompts: int | None) -> PromptSet:
+def first_prompts(prompts: PromptSet, max_prompts: int | None) -> PromptSet:
     if max_prompts is None or len(prompts) <= max_prompts:
         return prompts
     keep = slice(0, max_prompts)
@@ -184,13 +184,14 @@ def resolve_model(model: str, s3_endpoint: str | None = None) -> tuple[str, int 
         version = store.latest_version()
         if version == 0:
             return run.student, 0, store
-        return str(_policy_folder(store, version)), version, store
+        return str(policy_folder(store, version)), version, store
     if not Path(model).exists():
         raise FileNotFoundError(f"--model {model}: no such checkpoint folder or store")
     return model, None, None
 
 
-def _policy_folder(store: Store, version: int) -> Path:
+def policy_folder(store: Store, version: int) -> Path:
+    """The local folder of published policy `version` (evaluators and the examples' measure scripts load it)."""
     rel = layout.policy_dir(version)
     in_store = store.local_dir(rel)  # a local store: loaded in place
     if in_store is not None:
@@ -219,7 +220,7 @@ def evaluate_store(
     `tracker` (opd_cache.observe.tracking.Tracker, from train.report_to) each result, with the version as its step."""
     run = store.manifest.require()
     tokenizer = load_tokenizer(run.student)
-    prompts = _subset(load_prompts(prompts_path, tokenizer), max_prompts)
+    prompts = first_prompts(load_prompts(prompts_path, tokenizer), max_prompts)
     teacher = load_teacher(teacher_path, tokenizer, device) if teacher_path else None
     log = MetricsLog(store, "eval", worker)
     # the trainer's retention keeps the versions still to evaluate (opd_cache/storage/retention.py)
@@ -238,7 +239,7 @@ def evaluate_store(
         for version in todo:
             if version and not store.is_published(version):
                 continue  # deleted by retention while its hold had expired (an evaluator stopped for long)
-            path = run.student if version == 0 else _policy_folder(store, version)
+            path = run.student if version == 0 else policy_folder(store, version)
             if engine is None:
                 engine = eval_engine(path, tokenizer, device)
             tic = time.monotonic()

@@ -32,7 +32,7 @@ import numpy as np
 
 from opd_cache.config import AgentConfig, Config, SamplingConfig, load_config
 from opd_cache.engine import SampleRequest
-from opd_cache.evaluate import _subset, eval_engine, load_teacher, masked_sequence_kl, resolve_model
+from opd_cache.evaluate import eval_engine, first_prompts, load_teacher, masked_sequence_kl, resolve_model
 from opd_cache.rollout.agent import AgentSampler, engine_generate_fn, environment_prompt, run_conversations
 from opd_cache.tasks.prompts import PromptSet, load_prompts
 from opd_cache.tasks.rewards import compute_score
@@ -139,7 +139,7 @@ def evaluate_agent_run(
         raise ValueError("rollout.agent.environment is unset: the config is not an agent run")
     after_path, version, _ = resolve_model(model or cfg.store.uri, cfg.store.s3_endpoint)
     tokenizer = load_tokenizer(cfg.rollout.student)
-    prompts = _subset(load_prompts(prompts_path, tokenizer), max_prompts)
+    prompts = first_prompts(load_prompts(prompts_path, tokenizer), max_prompts)
     sampler = evaluation_sampler(cfg.rollout.agent, tokenizer, cfg.rollout.sampling.max_new_tokens)
     teacher = load_teacher(cfg.annotate.teacher, tokenizer, device)
     results = {

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from opd_cache.config import AgentConfig
 from opd_cache.engine import Response
-from opd_cache.evaluate import _subset, masked_sequence_kl, sequence_kl
+from opd_cache.evaluate import first_prompts, masked_sequence_kl, sequence_kl
 from opd_cache.evaluate_agent import AgentEvalResult, agent_bar, evaluate_agent_model, evaluation_sampler
 from opd_cache.models import load_causal_lm
 from opd_cache.tasks.prompts import load_prompts
@@ -48,7 +48,7 @@ def test_masked_kl_sums_the_trained_positions_only(tiny_model_factory):
 
 
 def test_the_agent_teacher_calls_the_tool_and_the_agent_student_does_not(tokenizer):
-    prompts = _subset(load_prompts(REPO / "data/arithmetic/test.parquet", tokenizer), 16)
+    prompts = first_prompts(load_prompts(REPO / "data/arithmetic/test.parquet", tokenizer), 16)
     agent = AgentConfig(
         environment="calculator",
         environment_options={"require_tool": True},  # the evaluator turns it off: no second chance

@@ -22,7 +22,7 @@ import torch
 from opd_cache.annotate.cross_kl import cross_tokenizer_kl
 from opd_cache.config import SamplingConfig, load_config
 from opd_cache.engine import SampleRequest
-from opd_cache.evaluate import _policy_folder, _subset, eval_engine, evaluate_model
+from opd_cache.evaluate import eval_engine, evaluate_model, first_prompts, policy_folder
 from opd_cache.models import load_causal_lm
 from opd_cache.storage.store import Store
 from opd_cache.tasks.prompts import load_prompts
@@ -59,14 +59,14 @@ def measure(store_uri: str, config: str = CONFIG) -> dict:
     tokenizer = load_tokenizer(run.student)
     teacher_tok = load_tokenizer(cfg.annotate.teacher)
     teacher = load_causal_lm(cfg.annotate.teacher).eval()
-    prompts = _subset(load_prompts(cfg.eval.prompts, tokenizer), cfg.eval.max_prompts)
+    prompts = first_prompts(load_prompts(cfg.eval.prompts, tokenizer), cfg.eval.max_prompts)
     last = store.latest_version()
     tic = time.monotonic()
     before = measure_version(run.student, tokenizer, prompts, teacher, teacher_tok, cfg.eval.max_new_tokens)
     after = measure_version(
-        _policy_folder(store, last), tokenizer, prompts, teacher, teacher_tok, cfg.eval.max_new_tokens
+        policy_folder(store, last), tokenizer, prompts, teacher, teacher_tok, cfg.eval.max_new_tokens
     )
-    teacher_prompts = _subset(load_prompts(cfg.eval.prompts, teacher_tok), cfg.eval.max_prompts)
+    teacher_prompts = first_prompts(load_prompts(cfg.eval.prompts, teacher_tok), cfg.eval.max_prompts)
     teacher_acc = evaluate_model(
         cfg.annotate.teacher, teacher_prompts, teacher_tok, max_new_tokens=cfg.eval.max_new_tokens
     )

@@ -36,7 +36,7 @@ def eval_command(
     args: ConfigArgs,
 ) -> None:
     """Evaluate a student on held-out prompts."""
-    from opd_cache.evaluate import _subset, evaluate_model, evaluate_store, load_teacher, resolve_model
+    from opd_cache.evaluate import evaluate_model, evaluate_store, first_prompts, load_teacher, resolve_model
     from opd_cache.models import check_model_path
     from opd_cache.observe.tracking import Tracker
     from opd_cache.tasks.prompts import check_prompts_path, load_prompts
@@ -96,7 +96,7 @@ def eval_command(
                 signal.signal(signal.SIGTERM, previous)
         return
     tokenizer = load_tokenizer(path)
-    prompt_set = _subset(load_prompts(cfg.prompts, tokenizer), cfg.max_prompts)
+    prompt_set = first_prompts(load_prompts(cfg.prompts, tokenizer), cfg.max_prompts)
     teacher_model = load_teacher(cfg.teacher, tokenizer, device) if cfg.teacher else None
     result = evaluate_model(
         path,

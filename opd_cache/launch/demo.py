@@ -167,7 +167,7 @@ def run_demo(
     check_demo_imports(engine)
     cfg = demo_config(out, seed, sets or [])
     clear_demo_outputs(out, overwrite)
-    from opd_cache.evaluate import _subset, evaluate_model
+    from opd_cache.evaluate import evaluate_model, first_prompts
     from opd_cache.launch.run import supervise, write_resolved_config
     from opd_cache.observe.report import write_report
     from opd_cache.storage.store import Store
@@ -186,7 +186,7 @@ def run_demo(
         )
 
     tokenizer = load_tokenizer(cfg.annotate.teacher)
-    held_out = _subset(load_prompts(cfg.eval.prompts, tokenizer), cfg.eval.max_prompts)
+    held_out = first_prompts(load_prompts(cfg.eval.prompts, tokenizer), cfg.eval.max_prompts)
     teacher = evaluate_model(cfg.annotate.teacher, held_out, tokenizer, max_new_tokens=cfg.eval.max_new_tokens)
     console.print(
         f"teacher on {len(held_out)} held-out prompts: strict {teacher.strict:.3f}, "

@@ -172,7 +172,7 @@ def main() -> None:
             sampling,
             scored,
         )
-        vllm_sampler._shutdown()
+        vllm_sampler.close()
 
     rows = [hf_row, vllm_row]
     print(

@@ -57,7 +57,7 @@ def sampler(student, tokenizer):
     """The rollout engine as `opd rollout --set rollout.engine=vllm` builds it (dtype float32, the default)."""
     engine = make_engine(RolloutConfig(engine="vllm", student_topk=4), str(student), tokenizer)
     yield engine
-    engine._shutdown()
+    engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from opd_cache.models import load_causal_lm
 from opd_cache.rollout.conversation import ChatRenderer, ConversationBuilder, ConversationRow, render_conversation
 from opd_cache.rollout.messages import Message, ToolCall
 from opd_cache.storage import layout
+from opd_cache.storage.manifest import StoreError
 from opd_cache.storage.schema import ANNOTATED, TARGET_FLAGS, flat_values, list_lengths, read_shard, trained_lengths
 from opd_cache.target_flags import EXCLUDED, GROUP_END, SAME_TOKENIZER, TOPK_VALID
 from opd_cache.tokenizer import load_tokenizer
@@ -219,20 +220,41 @@ def test_a_different_template_teacher_annotates_the_trained_positions_of_its_own
     assert annotator.rendering.student is not None
 
 
-def test_the_same_template_keeps_todays_path(local_store, tokenizer):
+def test_the_same_template_keeps_todays_path_and_parts(local_store, tokenizer):
+    from opd_cache.annotate.rerender import conversation_rendering
+
+    student = renderer(tokenizer, TOOLS_TEMPLATE)
+    shard_id = write_conversations(
+        local_store, tokenizer, TOOLS_TEMPLATE, STUDENT, [render_conversation(student, m) for m in CONVERSATIONS]
+    )
+    parts = {}
+    for name, template in (("plain", None), ("same", str(TOOLS_TEMPLATE))):
+        overrides = {"annotate.chat_template": template} if template else {}
+        cfg = load_config(
+            overrides={
+                "store.uri": local_store.uri,
+                "annotate.teacher": str(TEACHER),
+                "annotate.teacher_name": name,
+                "annotate.top_k": K,
+                "rollout.agent.chat_template": str(TOOLS_TEMPLATE),
+                **overrides,
+            }
+        )
+        assert conversation_rendering(cfg, load_tokenizer(TEACHER), None) is None  # no re-rendering
+        Annotator(cfg, local_store, progress=False).run()
+        parts[name], _ = read_shard(local_store, layout.annotated_path(shard_id, name), kind=ANNOTATED)
+    assert parts["same"].equals(parts["plain"])
+    # a second worker of the teacher "same" that reads conversations in another template is refused
     cfg = load_config(
         overrides={
             "store.uri": local_store.uri,
             "annotate.teacher": str(TEACHER),
-            "annotate.chat_template": str(TOOLS_TEMPLATE),
-            "annotate.student_chat_template": str(TOOLS_TEMPLATE),
+            "annotate.teacher_name": "same",
+            "annotate.chat_template": str(ROLES_TEMPLATE),
         }
     )
-    from opd_cache.annotate.rerender import conversation_rendering
-
-    assert conversation_rendering(cfg.annotate, None, load_tokenizer(TEACHER), None) is None
-    cfg = cfg.model_copy(update={"annotate": cfg.annotate.model_copy(update={"chat_template": None})})
-    assert conversation_rendering(cfg.annotate, str(TOOLS_TEMPLATE), load_tokenizer(TEACHER), None) is None
+    with pytest.raises(StoreError, match="chat_template_fingerprint"):
+        Annotator(cfg, local_store, progress=False)
 
 
 def test_a_cross_tokenizer_teacher_annotates_multi_turn_rows_the_trainer_consumes(local_store):

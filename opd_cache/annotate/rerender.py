@@ -27,6 +27,7 @@ metrics. Single-turn rows of the same shard (no loss mask) take the path they ta
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ from opd_cache.annotate.cross_annotate import CrossTokenizerAnnotation
 from opd_cache.annotate.cross_targets import AlignmentStats, concat_alignments, student_targets, untargeted_topk
 from opd_cache.annotate.cross_tokenizer import RowAlignment, TeacherRow
 from opd_cache.annotate.recover import RecoveryError, RenderedRow, recover_messages
-from opd_cache.config import AnnotateConfig
+from opd_cache.config import AnnotateConfig, Config
 from opd_cache.engine import Scorer, TeacherScores
 from opd_cache.rollout.conversation import ChatRenderer, TemplateError, render_conversation
 from opd_cache.rollout.messages import MessageError
@@ -162,6 +163,11 @@ class ConversationRendering:
                 f"multi-turn rows for this teacher need the student's chat template to read them: {self.missing} "
                 "(set annotate.student_chat_template, the template the rollouts were rendered with)"
             )
+        if self.cross is None and "student_topk_ids" in rows.schema.names:
+            raise ValueError(
+                "union support (student_topk_ids) is not scored for multi-turn rows re-rendered for the teacher "
+                "(annotate.chat_template): write the rollouts without rollout.student_topk"
+            )
         masks, turns = rows[LOSS_MASK].to_pylist(), rows[TURN_INDEX].to_pylist()
         multi = [i for i, m in enumerate(masks) if m is not None]
         single = [i for i, m in enumerate(masks) if m is None]
@@ -269,18 +275,25 @@ def _read_template(path: str, key: str) -> str:
         raise ValueError(f"{key} {path}: cannot read the chat template ({e.strerror or e})") from None
 
 
+def template_record_fields(cfg: AnnotateConfig) -> dict:
+    """The teacher record's field for `annotate.chat_template` (a second worker of the teacher must agree); none
+    without one, so a record is what it was before this option."""
+    if cfg.chat_template is None:
+        return {}
+    text = _read_template(cfg.chat_template, "annotate.chat_template")
+    return {"chat_template_fingerprint": hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]}
+
+
 def conversation_rendering(
-    cfg: AnnotateConfig,
-    agent_template: str | None,
-    teacher_tok,
-    cross: CrossTokenizerAnnotation | None,
+    config: Config, teacher_tok, cross: CrossTokenizerAnnotation | None
 ) -> ConversationRendering | None:
     """How this teacher reads multi-turn rows: None when it reads the student's rendering as it is (the same
     tokenizer and no other chat template: today's path), else a `ConversationRendering`.
 
-    The student's template: `annotate.student_chat_template`, else `rollout.agent.chat_template` (`agent_template`),
+    The student's template: `annotate.student_chat_template`, else `rollout.agent.chat_template`,
     else the student tokenizer's. The teacher's: `annotate.chat_template`, else the student's (rendered with the
     teacher's tokenizer: its own end-of-turn and special tokens)."""
+    cfg, agent_template = config.annotate, config.rollout.agent.chat_template
     student_path = cfg.student_chat_template or agent_template
     student_key = "annotate.student_chat_template" if cfg.student_chat_template else "rollout.agent.chat_template"
     student_template = _read_template(student_path, student_key) if student_path else None

@@ -43,10 +43,10 @@ import pyarrow.compute as pc
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from opd_cache.annotate import rerender
 from opd_cache.annotate.cross_annotate import CrossTokenizerAnnotation, cross_tokenizer_annotation
 from opd_cache.annotate.engines import make_scorer
 from opd_cache.annotate.leases import LeaseBook
-from opd_cache.annotate.rerender import ConversationRendering, conversation_rendering, has_conversations
 from opd_cache.annotate.selection import ShardSelection, shard_owner
 from opd_cache.annotate.teacher_checks import check_teacher_tokenizer, embedding_size_of
 from opd_cache.annotate.trained_positions import keep_trained_positions
@@ -116,7 +116,7 @@ class Annotator:
     vocab_size: int  # the teacher tokenizer's
     cross: CrossTokenizerAnnotation | None  # a teacher of another tokenizer (cross_annotate.py); None: the same
     ids_vocab_size: int  # the vocabulary of the rollouts' and the parts' ids: the student's (= vocab_size unless cross)
-    rendering: ConversationRendering | None  # multi-turn rows in the teacher's own rendering (rerender.py)
+    rendering: rerender.ConversationRendering | None  # multi-turn rows in the teacher's own rendering
     top_k: int  # teacher log-probs kept per token: the flag's, else the store's
     routing: Routing | None  # which rows go to which teacher (None: every row to this one)
     # 2. the engine
@@ -169,7 +169,7 @@ class Annotator:
             run = store.manifest.wait(cfg.poll_seconds, say=lambda line: self.console.print(line, soft_wrap=True))
             record = self._agree_with_run(run, teacher_tok, embedding_size)
         self.top_k, self.routing = record.top_k, record.routing
-        self.rendering = conversation_rendering(cfg, config.rollout.agent.chat_template, teacher_tok, self.cross)
+        self.rendering = rerender.conversation_rendering(config, teacher_tok, self.cross)  # multi-turn rows
         self.scorer = scorer if scorer is not None else make_scorer(cfg, self.top_k, self.vocab_size)
 
         # 3. record this teacher (a store changed meanwhile by a contradicting worker fails here), then how this
@@ -232,7 +232,7 @@ class Annotator:
             tokenizer_fingerprint=tokenizer_fingerprint(teacher_tok),
             vocab_size=self.vocab_size,
             codec=cfg.codec,
-        ).model_copy(update=cross_fields)  # a cross-tokenizer teacher: the student's fingerprint and vocabulary
+        ).model_copy(update={**cross_fields, **rerender.template_record_fields(cfg)})  # cross: the student's tokenizer
         store.manifest.check_teacher(record)
         if record.routing is not None and self.teacher not in record.routing.teachers():
             raise ValueError(
@@ -372,7 +372,7 @@ class Annotator:
             return True
 
         targets = None
-        if self.rendering is not None and has_conversations(rows):  # re-rendered for the teacher (rerender.py)
+        if self.rendering is not None and rerender.has_conversations(rows):  # in the teacher's rendering
             targets = self.rendering.score(self.scorer, rows, tokens.prompts, tokens.responses, self.top_k)
         elif self.cross is not None:  # scored in the teacher's tokenization, targets at the student's positions
             targets = self.cross.score(self.scorer, tokens.prompts, tokens.responses, self.top_k)

@@ -5,6 +5,8 @@ annotate/rerender.py; docs/agents.md, "Annotate and train")."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +24,7 @@ from opd_cache.storage.schema import ANNOTATED, TARGET_FLAGS, flat_values, list_
 from opd_cache.target_flags import EXCLUDED, GROUP_END, SAME_TOKENIZER, TOPK_VALID
 from opd_cache.tokenizer import load_tokenizer
 from tests.conftest import REPO
+from tests.test_conversation import CASES, llama, qwen  # noqa: F401 (llama, qwen: renderer fixtures)
 
 TOOLS_TEMPLATE = REPO / "data/chat_templates/arithmetic_tools.jinja"
 ROLES_TEMPLATE = REPO / "tests/data/arithmetic_tools_roles.jinja"  # the same bodies, other role markers
@@ -89,6 +92,19 @@ def test_recovered_messages_equal_the_originals(tokenizer, template, conversatio
     messages = CONVERSATIONS[conversation]
     row = render_conversation(student, messages)
     assert read_back(student, row) == as_read(messages, template)
+
+
+@pytest.mark.parametrize("name", ["qwen", "llama"])
+def test_qwen_and_llama_style_conversations_read_back(name, request):
+    """tests/test_conversation.py's templates: tools in the system prompt, consecutive tool results closed once
+    (Qwen2.5), JSON calls as the whole turn (Llama 3.1). Call ids are not rendered, so they are not read back."""
+    student = request.getfixturevalue(name)
+    messages, _ = CASES[name]
+    row = render_conversation(student, messages)
+    without_ids = [
+        replace(m, tool_call_id=None, tool_calls=[replace(c, id=None) for c in m.tool_calls]) for m in messages
+    ]
+    assert read_back(student, row) == without_ids
 
 
 def test_a_live_conversation_cut_by_its_budget_reads_back_as_sampled(tokenizer):
@@ -217,7 +233,6 @@ def test_a_different_template_teacher_annotates_the_trained_positions_of_its_own
     # the different rendering changes what the teacher predicts: the student's own rendering gives other targets
     other = teacher_targets_by_hand(model, student, CONVERSATIONS[0], K)[2]
     assert not np.allclose(other, token[0], atol=1e-3)
-    assert annotator.rendering.student is not None
 
 
 def test_the_same_template_keeps_todays_path_and_parts(local_store, tokenizer):
@@ -312,3 +327,8 @@ def test_the_agent_rollouts_rows_read_back_and_are_annotated_in_the_teachers_tem
     assert rollout["loss_mask"].null_count < rollout.num_rows  # multi-turn rows were sampled
     np.testing.assert_array_equal(list_lengths(part["teacher_token_logprob"]), trained_lengths(rollout))
     assert TARGET_FLAGS not in part.schema.names  # no row excluded: a plain same-tokenizer part
+    # the environment's tool definitions reach both renderings (a template may render them)
+    from opd_cache.rollout.environment import CalculatorEnvironment
+
+    tools = CalculatorEnvironment(require_tool=True).tools
+    assert annotator.rendering.student.tools == tools and annotator.rendering.teacher.tools == tools

@@ -64,6 +64,7 @@ PEER_IMPORTS = {
     ("opd_cache.annotate.recover", "opd_cache.rollout.messages"): "... into rollout's messages",
     ("opd_cache.annotate.rerender", "opd_cache.rollout.conversation"): "annotate re-renders them for the teacher",
     ("opd_cache.annotate.rerender", "opd_cache.rollout.messages"): "... and refuses what cannot be rendered",
+    ("opd_cache.annotate.rerender", "opd_cache.rollout.agent"): "... with the tools rollout's environment declared",
 }
 
 # (package root, imported): the public names `opd_cache` hands on, imported on first use (a module

@@ -12,20 +12,24 @@ parsed message by message, left to right, against the student's own template:
   made the message from the sampled ids (`ChatRenderer.parse_assistant`: content and tool calls);
 - any other message: each role is tried. A user, system or tool message is the template rendered around a
   placeholder content, matched against the text; an untrained assistant turn runs from the generation prompt to
-  the first end-of-turn token. Every candidate must re-render to exactly the text so far (and to the end of its
-  turn, where the turn index gives it). The most specific candidate goes first, the one with the most template
-  text around the shortest content (`= 85\\n` is a tool result `85` in the demo template before it is a user
-  message `= 85`), then user, tool, system, assistant; a tool message only follows a tool call or a tool
-  message. A candidate that leads nowhere later is taken back (a bounded depth-first search).
+  the first end-of-turn token. Every candidate must re-render to the text so far, and stop agreeing with it
+  exactly where its turn ends when the turn index gives that end (the rule `layout` cut the turns by, which also
+  places messages a template closes jointly: Qwen2.5's consecutive tool results). The most specific candidate
+  goes first, the one with the most template text around the shortest content (`= 85\n` is a tool result `85`
+  in the demo template before it is a user message `= 85`), then user, tool, system, assistant; a tool message
+  only follows a tool call or a tool message. A candidate that leads nowhere later is taken back (a bounded
+  depth-first search).
 
-The parse needs a template that renders each conversation as a prefix of its longer continuations (incremental,
-as conversation.py says: the demo, Qwen2.5- and Llama-3-style templates); a row it cannot read raises
-`RecoveryError` and annotate excludes it. Two roles the template renders identically (user and system in the demo
-template) cannot be told apart: the preferred one is taken.
+Tested on the demo template, a second demo-like one, and the Qwen2.5- and Llama-3.1-style templates of
+tests/test_conversation.py. A template that renders earlier turns differently once later ones exist (Qwen3 drops
+old reasoning) is not read back: `RecoveryError`, and annotate excludes the row. What a template does not render
+cannot be read back (tool-call ids); two roles it renders identically (user and system in the demo template)
+cannot be told apart: the preferred one is taken.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +40,7 @@ from opd_cache.rollout.messages import Message
 _PLACEHOLDER = "<<opd-content>>"
 _ROLE_ORDER = ("user", "tool", "system", "assistant")  # ties between equally specific candidates
 MAX_PARSE_STEPS = 256  # candidates tried per row before it is given up on
+MAX_CONTENT_ENDS = 64  # places a message's content may end, per role tried
 
 
 class RecoveryError(ValueError):
@@ -96,7 +101,7 @@ def _render(renderer: ChatRenderer, messages: list[Message], add_generation_prom
 
 
 def _parse(renderer: ChatRenderer, row: RenderedRow, messages: list[Message], budget: list[int]) -> list | None:
-    """Depth-first: the rest of the messages after `messages` (whose rendering is a prefix of the row's text)."""
+    """Depth-first: the rest of the messages after `messages` (whose rendering agrees with the row's text)."""
     budget[0] -= 1
     if budget[0] < 0:
         return None
@@ -118,17 +123,19 @@ def _parse(renderer: ChatRenderer, row: RenderedRow, messages: list[Message], bu
     return None
 
 
-def _fits(renderer: ChatRenderer, row: RenderedRow, messages: list[Message]) -> bool:
-    """The rendering of `messages` is the row's text so far, and ends where the last one's turn ends if known."""
+def _fits(renderer: ChatRenderer, row: RenderedRow, messages: list[Message], confirmed: int) -> bool:
+    """The rendering of `messages` agrees with the row's text through `confirmed` (the end of the last message's
+    content), and stops agreeing exactly where the last one's turn ends, when the turn index gives that end (the
+    rule conversation.py's `layout` cut the turns by: a template may render a message differently once another
+    follows, as Qwen2.5 closes consecutive tool results once)."""
     rendered = _render(renderer, messages)
     if rendered is None:
         return False
     j = len(messages) - 1
     if j == row.num_messages - 1:
         return rendered.startswith(row.text)  # the last turn: the row stops at its body (the tail is dropped)
-    if not row.text.startswith(rendered):
-        return False
-    return j not in row.turns or row.turns[j][1] == len(rendered)
+    reach = len(os.path.commonprefix([rendered, row.text]))
+    return reach == row.turns[j][1] if j in row.turns else reach >= confirmed
 
 
 def _trained_turn(renderer: ChatRenderer, row: RenderedRow, messages: list[Message]) -> Message | None:
@@ -142,14 +149,11 @@ def _trained_turn(renderer: ChatRenderer, row: RenderedRow, messages: list[Messa
     if end is None and j != row.num_messages - 1:
         return None  # only the last turn may be cut by the token budget
     message = renderer.parse_assistant(body[: -len(end)] if end else body)
-    return message if _fits(renderer, row, messages + [message]) else None
+    return message if _fits(renderer, row, messages + [message], b) else None
 
 
 def _untrained_candidates(renderer: ChatRenderer, row: RenderedRow, messages: list[Message]) -> list[Message]:
     """Every reading of the next message (not a trained turn) that re-renders to the text, most specific first."""
-    rendered = _render(renderer, messages)
-    if rendered is None:
-        return []
     j = len(messages)
     # the message's text ends at its turn's end when the turn index gives it, else before the next known turn
     limit = (
@@ -165,34 +169,38 @@ def _untrained_candidates(renderer: ChatRenderer, row: RenderedRow, messages: li
         if role == "assistant":
             options = _untrained_assistant(renderer, row, messages, limit)
         else:
-            options = _placeholder_matches(renderer, row, messages, role, rendered, limit)
-        found += [(len(m.content), rank, m) for m in options if _fits(renderer, row, messages + [m])]
+            options = _placeholder_matches(renderer, row, messages, role, limit)
+        found += [(len(m.content), rank, m) for m, end in options if _fits(renderer, row, messages + [m], end)]
     return [m for _, _, m in sorted(found, key=lambda f: (f[0], f[1]))]
 
 
 def _placeholder_matches(
-    renderer: ChatRenderer, row: RenderedRow, messages: list[Message], role: str, rendered: str, limit: int
-) -> list[Message]:
-    """`role` messages whose rendering matches the text after `rendered`: the template around a placeholder."""
+    renderer: ChatRenderer, row: RenderedRow, messages: list[Message], role: str, limit: int
+) -> list[tuple[Message, int]]:
+    """`role` messages (with where their content ends) whose rendering matches the text: the template around a
+    placeholder. The content ends where the template's text after it starts; a later message may change that
+    text (close a group of tool results once), so a start of it also counts, the whole text first."""
     probe = _render(renderer, messages + [Message(role, _PLACEHOLDER)])
-    if probe is None or not probe.startswith(rendered) or probe.count(_PLACEHOLDER) != 1:
+    if probe is None or probe.count(_PLACEHOLDER) != 1:
         return []
-    before, after = probe[len(rendered) :].split(_PLACEHOLDER)
-    start = len(rendered) + len(before)
-    if row.text[len(rendered) : start] != before or start > limit:
+    start = probe.index(_PLACEHOLDER)
+    if start > limit or row.text[:start] != probe[:start]:
         return []
+    after = probe[start + len(_PLACEHOLDER) :]
     if not after:  # nothing after the content: it runs to the limit
-        return [Message(role, row.text[start:limit])]
-    ends, at = [], row.text.find(after, start)
-    while 0 <= at and at + len(after) <= limit:
-        ends.append(at)
-        at = row.text.find(after, at + 1)
-    return [Message(role, row.text[start:end]) for end in ends]
+        return [(Message(role, row.text[start:limit]), limit)]
+    ends: dict[int, None] = {}
+    for m in range(len(after), 0, -1):
+        at = row.text.find(after[:m], start)
+        while 0 <= at and at + m <= limit and len(ends) < MAX_CONTENT_ENDS:
+            ends.setdefault(at)
+            at = row.text.find(after[:m], at + 1)
+    return [(Message(role, row.text[start:end]), end) for end in ends]
 
 
 def _untrained_assistant(
     renderer: ChatRenderer, row: RenderedRow, messages: list[Message], limit: int
-) -> list[Message]:
+) -> list[tuple[Message, int]]:
     """An assistant turn with weight 0: from the generation prompt through the first end-of-turn token."""
     prompted = _render(renderer, messages, add_generation_prompt=True)
     if prompted is None or not row.text.startswith(prompted):
@@ -201,6 +209,7 @@ def _untrained_assistant(
     found = [(p, e) for e in renderer.end_of_turn if 0 <= (p := row.text.find(e, a)) and p + len(e) <= limit]
     if not found:
         return []
-    message = renderer.parse_assistant(row.text[a : min(found)[0]])
+    position, end = min(found)
+    message = renderer.parse_assistant(row.text[a:position])
     message.trained = False
-    return [message]
+    return [(message, position + len(end))]

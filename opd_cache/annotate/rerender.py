@@ -40,6 +40,7 @@ from opd_cache.annotate.cross_tokenizer import RowAlignment, TeacherRow
 from opd_cache.annotate.recover import RecoveryError, RenderedRow, recover_messages
 from opd_cache.config import AnnotateConfig, Config
 from opd_cache.engine import Scorer, TeacherScores
+from opd_cache.rollout.agent import ENVIRONMENTS
 from opd_cache.rollout.conversation import ChatRenderer, TemplateError, render_conversation
 from opd_cache.rollout.messages import MessageError
 from opd_cache.storage.columns import LOSS_MASK, TURN_INDEX
@@ -275,6 +276,17 @@ def _read_template(path: str, key: str) -> str:
         raise ValueError(f"{key} {path}: cannot read the chat template ({e.strerror or e})") from None
 
 
+def _environment_tools(config: Config) -> list[dict] | None:
+    """The tool definitions rollout gave the chat template (`rollout.agent.environment`'s): a template that
+    renders them (Qwen's system prompt) renders them for the teacher too."""
+    agent = config.rollout.agent
+    if agent.environment is None:
+        return None
+    if agent.environment not in ENVIRONMENTS:
+        raise ValueError(f"rollout.agent.environment {agent.environment!r}: expected one of {', '.join(ENVIRONMENTS)}")
+    return ENVIRONMENTS[agent.environment](**agent.environment_options).tools
+
+
 def template_record_fields(cfg: AnnotateConfig) -> dict:
     """The teacher record's field for `annotate.chat_template` (a second worker of the teacher must agree); none
     without one, so a record is what it was before this option."""
@@ -299,8 +311,9 @@ def conversation_rendering(
     student_template = _read_template(student_path, student_key) if student_path else None
     teacher_template = _read_template(cfg.chat_template, "annotate.chat_template") if cfg.chat_template else None
     student_tok = cross.aligner.student if cross is not None else teacher_tok
+    tools = _environment_tools(config)
     try:
-        student = ChatRenderer(student_tok, student_template)
+        student = ChatRenderer(student_tok, student_template, tools=tools)
     except TemplateError as e:
         if cross is None and teacher_template is not None:
             raise ValueError(
@@ -310,5 +323,5 @@ def conversation_rendering(
         return ConversationRendering(None, None, cross, missing=str(e)) if cross is not None else None
     if cross is None and (teacher_template is None or teacher_template == student.template):
         return None
-    teacher = ChatRenderer(teacher_tok, teacher_template or student.template)
+    teacher = ChatRenderer(teacher_tok, teacher_template or student.template, tools=tools)
     return ConversationRendering(student, teacher, cross)

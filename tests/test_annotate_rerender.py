@@ -304,6 +304,17 @@ def test_a_cross_tokenizer_teacher_annotates_multi_turn_rows_the_trainer_consume
     kept = np.concatenate(flags[:3])
     assert (kept[-1] & GROUP_END) and (kept & TOPK_VALID).mean() > 0.5  # most positions one to one
     assert annotator.rendering.cross.stats.reasons == {NOT_RECOVERED: 1}
+    # the teacher's sequence is its own rendering (its template, its tokens), and each group of the student's
+    # trained tokens spells the text of the teacher's tokens aligned with it
+    rendering, char = annotator.rendering, load_tokenizer(TEACHER)
+    for row, messages in zip(rows, CONVERSATIONS):
+        conv = rendering.teacher_conversation(row.prompt_ids, row.response_ids, row.loss_mask, row.turn_index)
+        text = rendering.teacher.decode(np.concatenate([conv.prompt_ids, conv.response_ids]))
+        assert text.startswith("Q: ") and rendering.teacher.text(as_read(messages)).startswith(text)
+        trained, teacher_ids = row.response_ids[row.loss_mask == 1], conv.response_ids[conv.body_positions]
+        for g in range(conv.alignment.num_groups):
+            ours = bpe.decode(trained[conv.alignment.student_group == g])
+            assert ours == char.decode(teacher_ids[conv.alignment.teacher_group == g]), (g, ours)
 
     before = load_causal_lm(STUDENT_BPE).state_dict()
     result = run_train(cfg, local_store)

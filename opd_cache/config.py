@@ -168,6 +168,16 @@ class AnnotateConfig(Section):
         description="allow a teacher whose tokenizer differs from the student's: align the two tokenizations and "
         "store targets at the student's positions (docs/cross-tokenizer.md)",
     )
+    chat_template: str | None = Field(
+        None,
+        description="the teacher's jinja chat template for multi-turn rows: each conversation is recovered from the "
+        "student's rendering and re-rendered with it (docs/agents.md); unset: the student's template",
+    )
+    student_chat_template: str | None = Field(
+        None,
+        description="the jinja chat template the multi-turn rollouts were rendered with, to recover their messages "
+        "(unset: rollout.agent.chat_template, else the student tokenizer's)",
+    )
     cross_tokenizer_topk: Literal["one_to_one", "group_start"] = Field(
         "one_to_one",
         description="cross-tokenizer: where the top-k is a target: one_to_one (a group of one token on both "

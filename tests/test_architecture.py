@@ -57,6 +57,14 @@ PEER_IMPORTS = {
     ("opd_cache.export", "opd_cache.train.shard_data"): "export reads shards through the trainer's validated reader",
     ("opd_cache.evaluate_agent", "opd_cache.evaluate"): "the agent evaluator reuses the evaluator's engine and KL",
     ("opd_cache.evaluate_agent", "opd_cache.rollout.agent"): "the agent evaluator runs rollout's conversation loop",
+    (
+        "opd_cache.annotate.recover",
+        "opd_cache.rollout.conversation",
+    ): "annotate reads rows back with rollout's renderer",
+    ("opd_cache.annotate.recover", "opd_cache.rollout.messages"): "... into rollout's messages",
+    ("opd_cache.annotate.rerender", "opd_cache.rollout.conversation"): "annotate re-renders them for the teacher",
+    ("opd_cache.annotate.rerender", "opd_cache.rollout.messages"): "... and refuses what cannot be rendered",
+    ("opd_cache.annotate.rerender", "opd_cache.rollout.agent"): "... with the tools rollout's environment declared",
 }
 
 # (package root, imported): the public names `opd_cache` hands on, imported on first use (a module

@@ -156,7 +156,7 @@ def map_topk(
     return ids.astype(np.int32), lp.astype(np.float32), mapped_mass, topk_mass
 
 
-def _untargeted(student_ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def untargeted_topk(student_ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Top-k placeholders of positions without TOPK_VALID: the sampled id at log-prob 0, then pads."""
     ids = np.repeat(np.asarray(student_ids, dtype=np.int32)[:, None], k, axis=1)
     lp = np.full((len(ids), k), -np.inf, dtype=np.float32)
@@ -192,7 +192,7 @@ def row_targets(
             f"row_targets: {m} student and {n} teacher tokens, but groups for {len(sg)} and {len(tg)}, "
             f"{len(teacher_token_logprob)} teacher log-probs and {len(teacher_topk_ids)} top-k rows"
         )
-    topk_ids, topk_logprobs = _untargeted(student_ids, k)
+    topk_ids, topk_logprobs = untargeted_topk(student_ids, k)
     flags = np.zeros(m, dtype=np.uint8)
     token_logprob = np.zeros(m, dtype=np.float32)
     stats = AlignmentStats(positions=m, groups=num_groups, teacher_tokens=n)
@@ -273,7 +273,7 @@ def student_targets(
     all_ids = np.concatenate([np.zeros(0, np.int64), *(np.asarray(r, dtype=np.int64) for r in responses)])
     k = teacher_scores.topk_ids.shape[1]
     out = TeacherScores.zeros(lengths, k)
-    out.topk_ids[:], out.topk_logprobs[:] = _untargeted(all_ids, k)
+    out.topk_ids[:], out.topk_logprobs[:] = untargeted_topk(all_ids, k)
     flags = np.full(int(lengths.sum()), EXCLUDED, dtype=np.uint8)
 
     where = np.concatenate([np.zeros(0, np.int64), *(np.arange(starts[i], starts[i + 1]) for i in aligned)])

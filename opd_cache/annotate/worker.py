@@ -21,13 +21,12 @@ Properties the rest of the system relies on:
   (annotate/leases.py), so they can join and leave at any time; or, with
   `num_workers` n > 1, worker i takes the shards whose crc32(shard_id) % n is i
   (annotate/selection.py).
-- **Idempotent:** the output name depends only on (shard, teacher); a part
-  that exists is never rewritten, and rewriting one would give the same bytes.
-  Killed mid-shard, a worker leaves at most an ignored `*.tmp-*` file.
-- **Routing:** with `routing` configured, a teacher annotates only the rows
-  whose key column routes to it, in rollout order; a shard with none of its
-  rows still gets a (zero-row) part, so "annotated by every teacher" is
+- **Idempotent:** the output name depends only on (shard, teacher); a part that exists is never rewritten, and
+  rewriting one would give the same bytes. Killed mid-shard, a worker leaves at most an ignored `*.tmp-*` file.
+- **Routing:** with `routing` configured, a teacher annotates only the rows whose key column routes to it, in
+  rollout order; a shard with none of its rows still gets a (zero-row) part, so "annotated by every teacher" is
   decidable from a listing.
+- **Multi-turn rows** are re-rendered for a teacher with its own chat template or tokenizer (rerender.py).
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ import pyarrow.compute as pc
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from opd_cache.annotate import rerender
 from opd_cache.annotate.cross_annotate import CrossTokenizerAnnotation, cross_tokenizer_annotation
 from opd_cache.annotate.engines import make_scorer
 from opd_cache.annotate.leases import LeaseBook
@@ -116,6 +116,7 @@ class Annotator:
     vocab_size: int  # the teacher tokenizer's
     cross: CrossTokenizerAnnotation | None  # a teacher of another tokenizer (cross_annotate.py); None: the same
     ids_vocab_size: int  # the vocabulary of the rollouts' and the parts' ids: the student's (= vocab_size unless cross)
+    rendering: rerender.ConversationRendering | None  # multi-turn rows in the teacher's own rendering
     top_k: int  # teacher log-probs kept per token: the flag's, else the store's
     routing: Routing | None  # which rows go to which teacher (None: every row to this one)
     # 2. the engine
@@ -168,6 +169,7 @@ class Annotator:
             run = store.manifest.wait(cfg.poll_seconds, say=lambda line: self.console.print(line, soft_wrap=True))
             record = self._agree_with_run(run, teacher_tok, embedding_size)
         self.top_k, self.routing = record.top_k, record.routing
+        self.rendering = rerender.conversation_rendering(config, teacher_tok, self.cross)  # multi-turn rows
         self.scorer = scorer if scorer is not None else make_scorer(cfg, self.top_k, self.vocab_size)
 
         # 3. record this teacher (a store changed meanwhile by a contradicting worker fails here), then how this
@@ -230,7 +232,7 @@ class Annotator:
             tokenizer_fingerprint=tokenizer_fingerprint(teacher_tok),
             vocab_size=self.vocab_size,
             codec=cfg.codec,
-        ).model_copy(update=cross_fields)  # a cross-tokenizer teacher: the student's fingerprint and vocabulary
+        ).model_copy(update={**cross_fields, **rerender.template_record_fields(cfg)})  # cross: the student's tokenizer
         store.manifest.check_teacher(record)
         if record.routing is not None and self.teacher not in record.routing.teachers():
             raise ValueError(
@@ -369,13 +371,16 @@ class Annotator:
             self.console.print(f"[yellow]quarantined[/] {info.path}: {e}", highlight=False, soft_wrap=True)
             return True
 
-        flags = None
-        if self.cross is not None:  # scored in the teacher's tokenization, targets at the student's positions
+        targets = None
+        if self.rendering is not None and rerender.has_conversations(rows):  # in the teacher's rendering
+            targets = self.rendering.score(self.scorer, rows, tokens.prompts, tokens.responses, self.top_k)
+        elif self.cross is not None:  # scored in the teacher's tokenization, targets at the student's positions
             targets = self.cross.score(self.scorer, tokens.prompts, tokens.responses, self.top_k)
+        if targets is not None:
             scores, flags = targets.scores, targets.target_flags
         else:
             scores = self.scorer.score(tokens.prompts, tokens.responses, self.top_k, tokens.support)
-            scores = keep_trained_positions(scores, rows)  # the whole conversation scored, its trained tokens kept
+            scores, flags = keep_trained_positions(scores, rows), None  # the conversation scored, its trained kept
         out = annotated_table(
             sample_ids=rows["sample_id"].to_pylist(),
             lengths=scores.lengths,
@@ -424,7 +429,7 @@ class Annotator:
                 "seconds": round(seconds, 4),
                 "tokens_per_s": round(scores.num_tokens / max(seconds, 1e-9), 1),
                 "backlog": backlog,
-                **({"alignment": targets.stats.summary()} if self.cross is not None else {}),
+                **({"alignment": targets.stats.summary()} if targets is not None else {}),
             }
         )
         return True
@@ -452,10 +457,6 @@ class Annotator:
     def _token_arrays(self, rows: pa.Table, info: ShardInfo) -> TokenArrays:
         """Per-row id arrays of the prompts, responses and (union support) the student's top-k ids."""
         support = False
-        if self.cross is not None and "loss_mask" in rows.schema.names and rows["loss_mask"].null_count < rows.num_rows:
-            raise ValueError(
-                f"{self.store.path(info.path)}: cross-tokenizer annotation of multi-turn rows is not supported yet"
-            )
         if "student_topk_ids" in rows.schema.names and self.cross is None:
             support = self.union_support
             if not support and not self._warned_no_support:

@@ -86,6 +86,8 @@ class TeacherRecord(_Record):
     vocab_map_fingerprint: str | None = None
     vocab_map_size: int | None = None
     cross_tokenizer_topk: str | None = None
+    # a teacher that reads multi-turn rows in its own chat template (annotate.chat_template): its fingerprint
+    chat_template_fingerprint: str | None = None
 
     @field_validator("name")
     @classmethod
@@ -101,6 +103,7 @@ class TeacherRecord(_Record):
         "vocab_size",
         "vocab_map_fingerprint",
         "cross_tokenizer_topk",
+        "chat_template_fingerprint",
     )
 
 

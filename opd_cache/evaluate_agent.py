@@ -17,7 +17,7 @@ whether the model calls the tool unprompted, so a conversation ends at the first
 and checks the demo bar of issue #28 (`agent_bar`): tool-call success and strict accuracy each ≥ 80% of the
 teacher's, KL at least 5× lower than before.
 
-    python -m opd_cache.evaluate_agent --config examples/arithmetic_agent_cpu/config.yaml
+    opd eval-agent --config examples/arithmetic_agent_cpu/config.yaml    # or: python -m opd_cache.evaluate_agent
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ def format_table(report: dict) -> str:
         "| model | tool-call success | strict | lenient | KL (trained tokens) | turns |",
         "|---|---|---|---|---|---|",
     ]
-    names = {"teacher": "teacher", "before": "student v0", "after": f"student v{report['version']}"}
+    after = "the checkpoint" if report["version"] is None else f"student v{report['version']}"
+    names = {"teacher": "teacher", "before": "student v0", "after": after}
     for key, name in names.items():
         r = report[key]
         kl = "" if r["kl"] is None else f"{r['kl']:.4f}"

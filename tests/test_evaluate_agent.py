@@ -83,3 +83,26 @@ def test_the_bar_checks_each_measure():
     assert not agent_bar(teacher, result(0.0, 0.0, 2.0), result(1.0, 0.7, 0.1))["passed"]
     slow_kl = agent_bar(teacher, result(0.0, 0.0, 2.0), result(1.0, 0.9, 0.5))
     assert slow_kl["kl_factor"] == 4.0 and not slow_kl["passed"]
+
+
+def test_opd_eval_agent_scores_a_checkpoint_and_checks_the_bar():
+    """`opd eval-agent CHECKPOINT --config …`: the untrained student given as the checkpoint is the 'after' model, so
+    after equals before (same greedy conversations, same KL) and the bar is not met: --check exits 1."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from opd_cache.cli import app
+
+    args = ["eval-agent", "data/models/agent_student", "--config", "examples/arithmetic_agent_cpu/config.yaml"]
+    args += ["--max-prompts", "4", "--device", "cpu"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["version"] is None and report["teacher"]["tool_success"] == 1.0
+    assert report["after"] == report["before"] and report["before"]["kl"] > 0
+    assert report["bar"]["kl_factor"] == 1.0 and not report["bar"]["passed"]
+    checked = CliRunner().invoke(app, [*args, "--check"])
+    assert checked.exit_code == 1 and "NOT MET" in checked.stdout and "the checkpoint" in checked.stdout
+    missing = CliRunner().invoke(app, [*args[:2], "--config", "examples/nope.yaml"])
+    assert missing.exit_code != 0 and "examples/nope.yaml does not exist" in missing.output

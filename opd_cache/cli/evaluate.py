@@ -1,4 +1,5 @@
-"""`opd eval`: accuracy (strict and lenient parsers) and teacher–student KL of a checkpoint or a store."""
+"""`opd eval`: accuracy (strict and lenient parsers) and teacher–student KL of a checkpoint or a store; `opd
+eval-agent`: the same for an agent run (tool-call success too; opd_cache/evaluate_agent.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from opd_cache.cli.common import app, console, user_errors
+from opd_cache.cli.common import StoreAliasOpt, app, console, one_store, store_arg, user_errors
 from opd_cache.cli.config_flags import ConfigArgs, config_flags
 from opd_cache.storage.layout import RUN_JSON
 from opd_cache.storage.store import Store
@@ -118,3 +119,36 @@ def eval_command(
         f"lenient {result.lenient:.3f}" + (f"   KL {result.kl:.4f}" if result.kl is not None else "")
     )
     console.print(f"  first answer: {result.example!r}", highlight=False)
+
+
+@app.command("eval-agent")
+@user_errors
+def eval_agent_command(
+    store: str | None = store_arg(
+        "The agent run's store or a checkpoint to evaluate (default: the config's store.uri)."
+    ),
+    store_option: str | None = StoreAliasOpt,
+    config: Path = typer.Option(..., "--config", help="The agent run's config (rollout.agent, annotate.teacher)."),
+    prompts: str = typer.Option("data/arithmetic/test.parquet", "--prompts", help="Held-out prompts."),
+    max_prompts: int = typer.Option(200, "--max-prompts"),
+    device: str = typer.Option("auto", "--device"),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    check: bool = typer.Option(False, "--check", help="Exit 1 when the bar is not met."),
+) -> None:
+    """Evaluate an agent student: tool-call success, final-answer accuracy and KL at its trained positions, for the
+    teacher, the student before training and the newest policy (docs/agents.md)."""
+    from opd_cache.config import load_config
+    from opd_cache.evaluate_agent import evaluate_agent_run, format_table
+    from opd_cache.tasks.prompts import check_prompts_path
+
+    if not config.exists():
+        raise ValueError(f"--config {config} does not exist")
+    check_prompts_path(prompts)
+    model = one_store("eval-agent", store, store_option) if (store or store_option) else None  # None: store.uri
+    report = evaluate_agent_run(load_config(config), prompts, model=model, max_prompts=max_prompts, device=device)
+    if as_json:
+        print(json.dumps(report))
+    else:
+        print(format_table(report))
+    if check and not report["bar"]["passed"]:
+        raise typer.Exit(1)

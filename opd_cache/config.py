@@ -105,6 +105,12 @@ class RolloutConfig(Section):
     poll_seconds: float = Field(
         1.0, gt=0, description="wait between store checks (new policy, backlog); each is a LIST on S3"
     )
+    claim_seconds: float = Field(
+        60.0,
+        ge=5,
+        description="a worker's claim on schedule slots (claims/<worker>.json) stops counting for the others once "
+        "it is not refreshed for S seconds (its worker died); refreshed every S/3",
+    )
     trust_remote_code: bool = Field(False, description="let transformers run the model repository's own code")
 
 

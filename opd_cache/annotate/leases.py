@@ -39,12 +39,12 @@ import json
 import os
 import secrets
 import socket
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from opd_cache.storage import layout
-from opd_cache.storage.store import Store, StoreError
+from opd_cache.storage.keepalive import KeepAlive
+from opd_cache.storage.store import Store
 
 
 @dataclass
@@ -58,8 +58,7 @@ class Lease:
     expires_at: float
     renewals: int = 0
     lost: bool = False
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
+    _keep_alive: KeepAlive | None = None
 
     @property
     def path(self) -> str:
@@ -88,23 +87,13 @@ class Lease:
 
     def __enter__(self) -> Lease:
         """Renew every lease_seconds / 3 while the worker scores (a thread: the scorer blocks)."""
-
-        def keep_alive():
-            while not self._stop.wait(self.book.lease_seconds / 3):
-                try:
-                    if not self.renew():
-                        return
-                except (OSError, StoreError):
-                    continue  # a store hiccup: the next renewal (two more before the expiry) may succeed
-
-        self._thread = threading.Thread(target=keep_alive, name=f"lease-{self.shard_id}", daemon=True)
-        self._thread.start()
+        self._keep_alive = KeepAlive(self.renew, self.book.lease_seconds / 3, name=f"lease-{self.shard_id}")
+        self._keep_alive.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._keep_alive is not None:
+            self._keep_alive.stop()
         self.release()
 
     def release(self) -> None:

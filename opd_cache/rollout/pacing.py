@@ -18,12 +18,13 @@ Without claims two workers that reload the same version admit the same slots: wi
 version's batch was sampled twice and half of it expired (docs/benchmarks.md, "~100M parameters").
 
 Two workers that decide within one poll of each other would still both be admitted (each decided before the
-other's claim existed), so a claim is a two-step decision (`admit_claimed`): write the claim, stamped with the
-time it was made, then read the other claims again and give way to every claim made earlier (ordered by
-(time, worker id), the same order for every reader): the later of two racing workers cuts its call to what the
-earlier one left. Claims are read before the listing, so a shard published in between is counted (as a claim,
-as rows, or both: never neither). A dead worker's claim is counted until its version is dead (a restarted
-worker's first claim replaces it).
+other's claim existed), so a claim is a two-step decision (`admit_claimed`): write the claim, then read the
+other claims again and give way to every claim made earlier (ordered by the store's time of the claim file,
+then worker id: the same order for every reader, whatever the workers' clocks): the later of two racing
+workers cuts its call to what the earlier one left. Claims are read before the listing, so a shard published
+in between is counted (as a claim, as rows, or both: never neither). A claim counts while its worker is alive:
+a thread refreshes it, and a claim not refreshed for `rollout.claim_seconds` (a worker killed and not
+restarted) stops counting (claims.py).
 
 Without a schedule (a trainer older than #25, a token budget before its first batch, a finished trainer), the
 count pacing of before: the unconsumed backlog against `max_buffer_samples`, and the trainer's remaining demand
@@ -32,13 +33,13 @@ in samples (issue #14).
 
 from __future__ import annotations
 
-import json
 import time
+from collections.abc import Callable
 
 import pyarrow as pa
 
 from opd_cache.flow.schedule import TrainSchedule, schedule_in
-from opd_cache.storage import layout
+from opd_cache.rollout.claims import DEFAULT_ALIVE_SECONDS, ClaimBoard
 from opd_cache.storage.layout import parse_shard_id
 from opd_cache.storage.schema import count_rows
 from opd_cache.storage.store import ShardWatch, Store
@@ -70,11 +71,21 @@ class BacklogGauge:
     grow with the run's history.
     """
 
-    def __init__(self, store: Store, window: int = 4, worker: str | None = None):
+    def __init__(
+        self,
+        store: Store,
+        window: int = 4,
+        worker: str | None = None,
+        *,
+        claim_seconds: float = DEFAULT_ALIVE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ):
         self.store, self.window = store, window
         self.worker = worker  # this worker's id: its claims are written under it (None: it claims nothing)
-        self.others: dict[int, int] = {}  # version -> rows the other workers claim (admitted, not published)
-        self._claimed: tuple[int, int, float] | None = None  # the last claim written: (version, rows, made_at)
+        # this worker's claim and the others' (claims.py); `clock`/`wall_clock`: injectable for tests
+        self.claims = ClaimBoard(store, worker, claim_seconds, clock=clock, wall_clock=wall_clock)
+        self.others: dict[int, int] = {}  # version -> rows the other live workers claim (admitted, not published)
         self.rows = _RowCounts()
         self._watch = ShardWatch(store)
         self.demand: int | None = None  # samples the trainer's remaining steps still lack (None: unknown)
@@ -89,7 +100,7 @@ class BacklogGauge:
         # once the trainer is DONE its schedule is over: rows sampled then are for a later run, paced as before
         self.schedule = None if done else schedule_in(progress, self.store)
         # the claims before the listing too: a shard published in between is counted (claimed, listed or both)
-        self.others = self._other_claims() if self.schedule is not None else {}
+        self.others = self.claims.others() if self.schedule is not None else {}
         self._count_new_shards()
         backlog = self.rows.total - int(progress.get("consumed_samples", 0)) - int(progress.get("expired_samples", 0))
         # demand-aware pacing (issue #14): what the remaining steps train, less what the backlog covers.
@@ -129,8 +140,8 @@ class BacklogGauge:
         Called just before generate(), after `prompts_allowed` decided `count` from the last poll."""
         if self.worker is None or self.schedule is None:
             return count
-        mine = self.claim(version, own_rows + count * n)
-        self.others = self._other_claims(made_before=mine)
+        self.claim(version, own_rows + count * n)
+        self.others = self.claims.others(give_way_only=True)
         self._count_new_shards()  # after the claims: rows a worker published meanwhile (its claim now 0)
         allowed = self.prompts_allowed(version, own_rows, n, max_buffer_samples)
         if allowed is not None and allowed < count:
@@ -138,36 +149,10 @@ class BacklogGauge:
             self.claim(version, own_rows + count * n)
         return count
 
-    def claim(self, version: int, rows: int) -> tuple[float, str] | None:
+    def claim(self, version: int, rows: int) -> None:
         """Say that this worker has `rows` rows of `version` admitted and not yet published (0: none); written
-        only when it changes, and only by a worker with an id. Returns the claim's order key (time, worker)."""
-        if self.worker is None:
-            return None
-        if self._claimed is None or self._claimed[:2] != (version, rows):
-            made_at = time.time()
-            record = {"worker": self.worker, "policy_version": version, "rows": rows, "made_at": made_at}
-            self.store.write_bytes(layout.claim_path(self.worker), json.dumps(record).encode())
-            self._claimed = (version, rows, made_at)
-        return (self._claimed[2], self.worker)
-
-    def _other_claims(self, made_before: tuple[float, str] | None = None) -> dict[int, int]:
-        """version -> rows the other workers claim (all, or those made before `made_before`); a claim being
-        rewritten or unreadable counts as none."""
-        claims: dict[int, int] = {}
-        for info in self.store.list_files(layout.CLAIMS):
-            worker = layout.claim_worker(info.base_name)
-            if worker == self.worker or not info.base_name.endswith(".json"):
-                continue
-            try:
-                record = json.loads(self.store.read_bytes(f"{layout.CLAIMS}/{info.base_name}"))
-                version, rows = int(record["policy_version"]), int(record["rows"])
-                made_at = float(record.get("made_at", 0.0))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            if made_before is not None and (made_at, worker) >= made_before:
-                continue  # made after this worker's claim: that worker gives way, not this one
-            claims[version] = claims.get(version, 0) + max(0, rows)
-        return claims
+        only when it changes, and only by a worker with an id (claims.py)."""
+        self.claims.write(version, rows)
 
     def _count_new_shards(self) -> None:
         latest = self.store.latest_version()

@@ -257,7 +257,9 @@ class RolloutWorker:
             )
 
         # The loop's state: pacing, the buffer of rows, what this call publishes, the progress display.
-        self.backlog_gauge = BacklogGauge(store, window=max(4, self.max_staleness + 2), worker=self.worker)
+        self.backlog_gauge = BacklogGauge(
+            store, window=max(4, self.max_staleness + 2), worker=self.worker, claim_seconds=cfg.claim_seconds
+        )
         self.backlog = 0
         self.admitted = None
         self.buffer = AgentShardBuffer() if self.agent else ShardBuffer(self.student_topk)
@@ -439,6 +441,7 @@ class RolloutWorker:
     def run(self) -> RolloutResult:
         started = time.monotonic()
         cfg, buffer = self.cfg, self.buffer
+        self.backlog_gauge.claims.start()  # a thread keeps this worker's claim alive, in generate() too
         try:
             while not self.finished():
                 # 4a. A newer policy: publish what the old one sampled, then reload.
@@ -466,6 +469,7 @@ class RolloutWorker:
             self.flush()  # 5. whatever is left (SIGINT/SIGTERM, DONE, limits)
         finally:
             self.display.close()
+            self.backlog_gauge.claims.close()  # stopped: its claim no longer holds back the others
             self.metrics.flush()
             self.policies.close()
             self.hold.release()

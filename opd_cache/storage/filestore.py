@@ -346,6 +346,15 @@ class FileStore:
                     raise
         return [i for i in infos if i.type == pafs.FileType.File and not is_tmp(i.path)]
 
+    def modified_times(self, rel: str) -> dict[str, int]:
+        """Base name -> modification time (ns) of the complete files directly under `rel`, from one LIST.
+
+        The time is the store's: the server's clock on an object store (S3, GCS: LastModified, to the second),
+        this machine's on a local directory. So times written by different machines compare without trusting
+        their clocks (the rollout claims' order, rollout/pacing.py). Equal times are possible (a coarse clock).
+        """
+        return {info.base_name: info.mtime_ns for info in self.list_files(rel) if info.mtime_ns is not None}
+
     def list_dirs(self, rel: str) -> list[str]:
         sel = pafs.FileSelector(self.path(rel), allow_not_found=True)
         return sorted(

@@ -14,6 +14,7 @@
 <root>/leases/<teacher>/<shard_id>.000001.json        an annotate worker's lease (opd_cache/annotate/leases.py)
 <root>/holders/<name>.json                            a reader's hold on policy versions (storage/retention.py)
 <root>/claims/<worker>.json                           a rollout worker's rows not yet published (rollout/pacing.py)
+<root>/claims/<worker>.alive                          ...and its heartbeat: the claim counts while it changes
 <root>/metrics/<stage>-<worker>.jsonl (or metrics/<stage>-<worker>/<segment>.jsonl on object stores)
 <root>/quarantine/<name> + <name>.reason.txt          <name>: the moved file's path with '/' as '__'
 <root>/launch/config.yaml                             the config `opd run` started the run with (launch/attach.py)
@@ -245,9 +246,16 @@ def claim_path(worker: str) -> str:
     return f"{CLAIMS}/{validate_worker_id(worker)}.json"
 
 
-def claim_worker(name: str) -> str:
-    """The worker a file name of `claims/` belongs to (`<worker>.json`)."""
-    return name.removesuffix(".json")
+def claim_alive_path(worker: str) -> str:
+    """`claims/<worker>.alive`: rewritten every third of `rollout.claim_seconds` while the worker runs, so the
+    others know its claim is not a dead worker's (rollout/pacing.py)."""
+    return f"{CLAIMS}/{validate_worker_id(worker)}.alive"
+
+
+def parse_claim_name(name: str) -> tuple[str, str] | None:
+    """(worker, "json" or "alive") of a file name of `claims/`; None for a foreign file."""
+    worker, dot, kind = name.rpartition(".")
+    return (worker, kind) if dot and worker and kind in ("json", "alive") else None
 
 
 def annotated_folder(name: str) -> str:

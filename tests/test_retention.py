@@ -100,6 +100,27 @@ def test_hold_is_rewritten_only_when_it_changes_or_its_renewal_is_due(local_stor
     assert local_store.read_json(layout.holder_path("rollout-w01"))["time"] > first
 
 
+def test_a_started_hold_is_renewed_by_its_thread_while_its_owner_is_blocked(local_store):
+    """A rollout worker inside one generate() call longer than the hold's lifetime: the thread rewrites the record
+    (its expiry moves on), with the versions last held; release stops the thread and frees them."""
+    hold = VersionHold(local_store, "rollout-w01", ttl_s=0.3).start()  # renewed every 0.1 s
+    try:
+        hold.hold(5)
+        first = local_store.read_json(layout.holder_path("rollout-w01"))
+        assert hold.keepalive.wait_renewals(3, timeout=600), "the thread renewed nothing"
+        renewed = local_store.read_json(layout.holder_path("rollout-w01"))
+        assert renewed["versions"] == [5] and renewed["expires"] > first["expires"]
+        hold.hold(6)  # the owner moved on: the thread's next rewrite carries 6, never the older 5 again
+        count = hold.keepalive.renewals
+        assert hold.keepalive.wait_renewals(count + 2, timeout=600)
+        assert local_store.read_json(layout.holder_path("rollout-w01"))["versions"] == [6]
+    finally:
+        hold.release()
+    count = hold.keepalive.renewals
+    assert not local_store.exists(layout.holder_path("rollout-w01"))
+    assert not hold.keepalive.running and hold.keepalive.renewals == count  # stopped: no rewrite after release
+
+
 def test_a_deletion_cut_short_leaves_a_consistent_store_and_the_next_pass_finishes_it(
     local_store, tmp_path, monkeypatch
 ):

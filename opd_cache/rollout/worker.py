@@ -442,6 +442,7 @@ class RolloutWorker:
         started = time.monotonic()
         cfg, buffer = self.cfg, self.buffer
         self.backlog_gauge.claims.start()  # a thread keeps this worker's claim alive, in generate() too
+        self.hold.start()  # and its hold on the version it samples with (retention must not delete it meanwhile)
         try:
             while not self.finished():
                 # 4a. A newer policy: publish what the old one sampled, then reload.

@@ -44,6 +44,10 @@ class KeepAlive:
         with self._renewed:
             return self._renewed.wait_for(lambda: self.renewals >= count, timeout)
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
     def start(self) -> KeepAlive:
         if self._thread is None:
             self._stop.clear()

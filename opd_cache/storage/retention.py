@@ -26,10 +26,12 @@ Rollout and annotated shards are the dataset and are never deleted here.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 from opd_cache.storage import layout
 from opd_cache.storage.integrity import MANIFEST
+from opd_cache.storage.keepalive import KeepAlive
 from opd_cache.storage.layout import HOLDERS, POLICY, TRAIN_STATE
 from opd_cache.storage.store import Store
 
@@ -39,7 +41,9 @@ class VersionHold:
 
     `hold(versions)` records them at once (call it before loading a version: retention runs in another
     process); `renew()` rewrites the record when a third of its lifetime has passed. `every` (the
-    evaluator) also claims each later version that is a multiple of it.
+    evaluator) also claims each later version that is a multiple of it. `start()` renews it from a thread
+    as well (storage/keepalive.py), so that one call longer than the lifetime (a generate() of minutes on a
+    big model) does not let the hold lapse under the version in use; `release()` stops that thread.
     """
 
     def __init__(self, store: Store, name: str, ttl_s: float):
@@ -47,6 +51,16 @@ class VersionHold:
         self.versions: list[int] = []
         self.every: int | None = None
         self.written = 0.0
+        self._write_lock = threading.Lock()  # the thread's rewrite must not land after, and undo, a newer hold
+        self.keepalive = KeepAlive(self._rewrite, every_s=ttl_s / 3, name=f"hold-{name}")
+
+    def start(self) -> VersionHold:
+        self.keepalive.start()
+        return self
+
+    def _rewrite(self) -> bool:
+        self._write()
+        return True
 
     def hold(self, *versions: int, every: int | None = None) -> None:
         claim = (sorted({v for v in versions if v > 0}), every)
@@ -61,19 +75,21 @@ class VersionHold:
             self._write()
 
     def _write(self) -> None:
-        now = time.time()
-        record = {
-            "versions": self.versions,
-            "every": self.every,
-            "time": round(now, 3),
-            "expires": round(now + self.ttl_s, 3),
-            "host": socket.gethostname(),
-        }
-        self.store.write_json(layout.holder_path(self.name), record)
-        self.written = time.monotonic()
+        with self._write_lock:
+            now = time.time()
+            record = {
+                "versions": self.versions,
+                "every": self.every,
+                "time": round(now, 3),
+                "expires": round(now + self.ttl_s, 3),
+                "host": socket.gethostname(),
+            }
+            self.store.write_json(layout.holder_path(self.name), record)
+            self.written = time.monotonic()
 
     def release(self) -> None:
         """The holder stops (a clean exit): its versions are free at once."""
+        self.keepalive.stop()
         self.store.delete(layout.holder_path(self.name))
 
 

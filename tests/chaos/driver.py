@@ -238,7 +238,16 @@ class ChaosDriver:
         self.report.kills.append(kill)
         with open(self.workdir / "kills.jsonl", "a") as f:  # to follow a run while it goes
             f.write(json.dumps(asdict(kill)) + "\n")
+        self._write_owed()
         self._start(stage)
+
+    def _write_owed(self) -> None:
+        """The key points still short of their quota, for the hook: it pauses at them every time (atomically
+        replaced: a stage reads it at every kill point)."""
+        per_point = self.report.per_point()
+        owed = [p for p, n in self.settings.key_points.items() if per_point[p] < n]
+        (self.pause_dir / "owed.new").write_text("\n".join(owed) + "\n")
+        os.replace(self.pause_dir / "owed.new", self.pause_dir / "owed")
 
     def _forget_pause(self, pid: int) -> None:
         for name in (f"pause-{pid}", f"up-{pid}"):
@@ -485,6 +494,7 @@ class ChaosDriver:
 
     # ------------------------------------------------------------ the run
     def run(self) -> ChaosReport:
+        self._write_owed()
         self._start_fault_clocks()
         finished: set[str] = set()
         have_run = False

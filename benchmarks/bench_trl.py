@@ -283,6 +283,14 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, help="folder for the runs (default: a temp folder, removed)")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra setting of the opd side's config, as `opd run --set` (e.g. train.publish_every=1); "
+        "TRL's side reads the same config, so a train.lr change applies to both",
+    )
     parser.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)  # the child process's mode
     args = parser.parse_args()
     if args.trl_worker:
@@ -296,7 +304,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     timeout = 120 + args.steps * 6.0  # a hung run fails the benchmark instead of blocking it
     torch.set_num_threads(1)
-    cfg = demo_config(out / "opd", args.seed, [f"train.max_steps={args.steps}", "run.evaluate=false"])
+    cfg = demo_config(out / "opd", args.seed, [f"train.max_steps={args.steps}", "run.evaluate=false", *args.set])
     tokenizer = load_tokenizer(cfg.rollout.student)
     prompts_file = out / "trl-prompts.json"
     prompts_file.write_text(json.dumps(trl_prompt_rows(cfg, args.steps, tokenizer)))
@@ -354,6 +362,7 @@ def main() -> None:
         "ratio_total": _ratio(opd["wall_s"], trl["wall_s"]),
         "ratio_kl": _ratio(opd["eval"]["kl"], trl["eval"]["kl"]),
         "runs": results,
+        "opd_sets": args.set,
         "opd_config": cfg.model_dump(mode="json"),
         "trl_specs": specs,
     }

@@ -70,22 +70,24 @@ def disturbed_run(tmp_path_factory):
     )
     events = {}
     try:
-        wait_for(lambda: store.shards.annotated_parts(), 300, "the first annotated part", proc)
+        # hang guards, not paces: each waits for an event; at load ~14 (CI + a stress run + a training job on 2
+        # cores) the rollout stage process alone took 5 min to start, beyond the 300 s this guard had
+        wait_for(lambda: store.shards.annotated_parts(), 900, "the first annotated part", proc)
         scaled = opd("scale", "--store", str(store.uri), "--annotate", "3")
         assert scaled.returncode == 0, scaled.stderr
-        wait_for(lambda: pids(logs, "annotate-teacher-2"), 120, "the third annotate worker", proc)
+        wait_for(lambda: pids(logs, "annotate-teacher-2"), 600, "the third annotate worker", proc)
         events["step_at_scale_up"] = store.read_progress().get("step", 0)
 
         ((_, annotate_child),) = pids(logs, "annotate-teacher-0")
         os.kill(annotate_child, signal.SIGKILL)  # the stage process: its actor dies with it, Ray restarts both
-        wait_for(lambda: len(pids(logs, "annotate-teacher-0")) == 2, 120, "the annotate restart", proc)
+        wait_for(lambda: len(pids(logs, "annotate-teacher-0")) == 2, 600, "the annotate restart", proc)
         ((rollout_actor, _),) = pids(logs, "rollout-w00")
         os.kill(rollout_actor, signal.SIGKILL)  # the actor's process itself, as a lost node or `ray.kill`
-        wait_for(lambda: len(pids(logs, "rollout-w00")) == 2, 120, "the rollout restart", proc)
+        wait_for(lambda: len(pids(logs, "rollout-w00")) == 2, 600, "the rollout restart", proc)
 
         assert opd("scale", "--store", str(store.uri), "--annotate", "1").returncode == 0
         events["step_at_scale_down"] = store.read_progress().get("step", 0)
-        proc.wait(timeout=600)
+        proc.wait(timeout=900)
     finally:
         if proc.poll() is None:  # a failed check: SIGTERM lets the launcher stop its actors and Ray
             proc.terminate()

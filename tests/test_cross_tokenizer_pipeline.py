@@ -184,13 +184,13 @@ def test_cross_tokenizer_run_trains_the_bpe_student_toward_the_teacher(tmp_path,
     assert "group text" in shown and "group_end" in shown and "cross_tokenizer" in shown
 
 
-EXAMPLE_STEPS = 500
+EXAMPLE_STEPS = 800
 
 
 @pytest.fixture(scope="module")
 def example_run(tmp_path_factory):
-    """examples/arithmetic_xtok_cpu/config.yaml under `opd run`, shortened to 500 steps (the shipped 800 took ~4 of
-    CI's 40 minutes; at 500 the KL in the teacher's tokenization fell 14.5x, at 300 only 5.3x, at load ~2):
+    """examples/arithmetic_xtok_cpu/config.yaml under `opd run` as shipped, 800 steps (~5.5 min at load ~9; strict
+    0.835-0.885 in three runs, but 0.84 and 0.325 in two runs of 600: docs/cross-tokenizer.md, "The demo"):
     rollout, cross-tokenizer annotate, train, evaluation. Returns the store's folder."""
     import subprocess
     import sys
@@ -222,12 +222,11 @@ def test_opd_run_of_the_cross_tokenizer_example(example_run):
 
 
 @pytest.mark.slow
-def test_the_cross_tokenizer_example_lowers_the_kl_5x_in_the_teachers_tokenization(example_run):
-    """The half of issue #27's bar the example meets, on 200 held-out prompts, measured by
-    examples/arithmetic_xtok_cpu/measure.py: the KL in the teacher's tokenization (the teacher against the
+def test_the_cross_tokenizer_example_meets_issue_27s_bar(example_run):
+    """Issue #27's bar on 200 held-out prompts, measured by examples/arithmetic_xtok_cpu/measure.py: strict
+    accuracy at least 0.8x the teacher's, and the KL in the teacher's tokenization (the teacher against the
     student's next byte, at every character of the student's greedy answers) at least 5x lower than before
-    training. The other half, strict accuracy at least 0.8x the teacher's, is not met (0.07 at 800 steps:
-    docs/cross-tokenizer.md), so it is not asserted here."""
+    training (docs/cross-tokenizer.md, "The demo")."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("measure", REPO / "examples/arithmetic_xtok_cpu/measure.py")
@@ -239,3 +238,4 @@ def test_the_cross_tokenizer_example_lowers_the_kl_5x_in_the_teachers_tokenizati
     assert before["strict"] <= 0.05, report  # it starts in its own format: strict near 0, as the demo's student
     assert after["kl_excluded_rows"] == 0 and after["kl_positions"] >= 200 * 8, report  # ' #### N<eos>' >= 8
     assert before["kl"] >= 5 * after["kl"], report
+    assert after["strict"] >= 0.8 * report["teacher"]["strict"], report

@@ -46,6 +46,7 @@ from opd_cache.config import Config, load_config
 from opd_cache.launch.run import StageProcess, stage_commands
 from opd_cache.storage import layout
 from opd_cache.storage.store import TMP_MARKER, Store, StoreError, parse_shard_id
+from tests.conftest import REPO
 from tests.helpers import tiny_run_config, write_config
 
 HOOK_DIR = Path(__file__).resolve().parent / "hook"
@@ -150,8 +151,24 @@ class ChaosReport:
         return "\n".join(lines)
 
 
-def chaos_config(workdir: Path, store_uri: str, *, s3_endpoint: str | None = None, max_steps: int = 20) -> Path:
-    """The tiny `opd run` configuration, shortened for killing: small shards, frequent versions and states."""
+def chaos_config(
+    workdir: Path,
+    store_uri: str,
+    *,
+    s3_endpoint: str | None = None,
+    max_steps: int = 20,
+    cross_tokenizer: bool = False,
+) -> Path:
+    """The tiny `opd run` configuration, shortened for killing: small shards, frequent versions and states.
+
+    `cross_tokenizer`: the BPE student of examples/arithmetic_xtok_cpu under the character teacher (issue #27),
+    so annotate aligns two tokenizations and the parts carry `target_flags` through every kill."""
+    pair = {}
+    if cross_tokenizer:
+        pair = {
+            "rollout": {"student": str(REPO / "data/models/student_bpe")},
+            "annotate": {"cross_tokenizer": True, "cross_tokenizer_topk": "group_start"},
+        }
     config = tiny_run_config(
         store_uri,
         steps=max_steps,
@@ -166,6 +183,7 @@ def chaos_config(workdir: Path, store_uri: str, *, s3_endpoint: str | None = Non
             "keep_states": 2,
             "keep_versions": 3,  # retention deletes 7 of the 10 versions while the stages are killed
         },
+        **pair,
     )
     return write_config(workdir, config)
 
@@ -564,11 +582,14 @@ def run_chaos(
     s3_endpoint: str | None = None,
     max_steps: int = 20,
     env: dict | None = None,
+    cross_tokenizer: bool = False,
     **settings,
 ) -> tuple[Path, ChaosReport]:
     """Write the configuration, run the driver; returns (config path, report)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    config = chaos_config(workdir, store_uri, s3_endpoint=s3_endpoint, max_steps=max_steps)
+    config = chaos_config(
+        workdir, store_uri, s3_endpoint=s3_endpoint, max_steps=max_steps, cross_tokenizer=cross_tokenizer
+    )
     if s3_endpoint and "key_points" not in settings:
         settings["key_points"] = dict(S3_KEY_POINTS)
     report = ChaosDriver(config, workdir, ChaosSettings(seed=seed, **settings), env=env).run()

@@ -27,8 +27,8 @@ from typing import Any
 import yaml
 
 from opd_cache.config import Config
-from opd_cache.rollout.policy import student_id
 from opd_cache.storage.layout import LAUNCH_CONFIG, TRAIN_DONE
+from opd_cache.storage.manifest import student_id
 from opd_cache.storage.store import Store
 
 # Keys a continued run may change: how it runs, not what it trains (prefixes end with a dot).

@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 from opd_cache.rollout.ingest_formats import IngestContext, IngestError, PendingRow, parse_line
-from opd_cache.rollout.policy import PolicyFiles, student_id
+from opd_cache.rollout.policy import PolicyFiles
 from opd_cache.rollout.writer import RolloutRow, RolloutWriter, RowError
+from opd_cache.storage.manifest import student_id
 from opd_cache.storage.store import Store
 from opd_cache.tokenizer import load_tokenizer
 

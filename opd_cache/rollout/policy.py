@@ -91,8 +91,3 @@ def check_policy_tokenizer(path: str, fingerprint: str, version: int) -> None:
         found = tokenizer_fingerprint(load_tokenizer(path))
         if found != fingerprint:
             raise ValueError(f"policy version {version} ({path}) has tokenizer {found}, this run uses {fingerprint}")
-
-
-def student_id(student: str) -> str:
-    # A local folder is recorded as an absolute path, so a restart from another directory agrees with run.json.
-    return os.path.abspath(student) if os.path.exists(student) else student

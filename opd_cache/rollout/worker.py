@@ -52,10 +52,11 @@ from opd_cache.rollout.agent import AgentSampler, AgentShardBuffer
 from opd_cache.rollout.display import ProgressDisplay
 from opd_cache.rollout.engines import make_engine
 from opd_cache.rollout.pacing import BacklogGauge
-from opd_cache.rollout.policy import CorruptPolicyError, PolicyFiles, check_policy_tokenizer, student_id
+from opd_cache.rollout.policy import CorruptPolicyError, PolicyFiles, check_policy_tokenizer
 from opd_cache.rollout.prompt_stream import PromptStream, batch_seed
 from opd_cache.rollout.resume import RolloutShardMeta, resume_point
 from opd_cache.storage import layout
+from opd_cache.storage.manifest import student_id
 from opd_cache.storage.retention import VersionHold
 from opd_cache.storage.schema import ROLLOUT, rollout_table, write_shard
 from opd_cache.storage.store import RunManifest, Store, make_shard_id, validate_worker_id

@@ -39,9 +39,9 @@ import pyarrow as pa
 from opd_cache.flow.staleness import is_too_stale
 from opd_cache.observe.metrics import MetricsLog
 from opd_cache.rollout.conversation import ConversationRow
-from opd_cache.rollout.policy import student_id
 from opd_cache.rollout.resume import META_SAMPLES
 from opd_cache.storage import layout
+from opd_cache.storage.manifest import student_id
 from opd_cache.storage.schema import ROLLOUT, ShardError, ShardMeta, read_shard, rollout_table, write_shard
 from opd_cache.storage.store import Store, make_shard_id, validate_worker_id
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint

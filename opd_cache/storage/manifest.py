@@ -19,6 +19,7 @@ The JSON keys are those of run.json since its first version, so existing stores,
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -28,6 +29,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from opd_cache.storage.filestore import FileStore
 from opd_cache.storage.layout import RUN_JSON, SCHEMA_VERSION, TEACHERS_DIR, StoreError, teacher_path, validate_name
+
+
+def student_id(student: str) -> str:
+    """How run.json names the student: a local folder as an absolute path, so that a restart from another
+    directory agrees with it; a hub id as it is. (Here, not in rollout/, so that `opd run`'s launcher can
+    check run.json without importing torch and transformers: ~2.5 CPU-s and as much start-up, issue #25.)"""
+    return os.path.abspath(student) if os.path.exists(student) else student
 
 
 class ManifestError(StoreError):

@@ -271,7 +271,9 @@ def test_decode_builds_the_padded_layout_and_global_weights(local_store, run):
 
 def test_follow_waits_for_new_shards_then_idle_timeout_ends(local_store, run):
     shard(local_store, run, 0, 0, rows=4)
-    stream, _ = make_stream(local_store, run, follow=True, batch_samples=4, idle_timeout=0.5)
+    # a long idle timeout while the late shard is on its way: writing it may take seconds on a loaded machine
+    # (a 0.5 s timeout once ended the wait 0.1 s after the writer started); a short one for the end
+    stream, _ = make_stream(local_store, run, follow=True, batch_samples=4, idle_timeout=60)
     assert stream.next_batch(1, 0).num_rows == 4
     late = make_shard_id(0, "w00", 1)
     writer = threading.Timer(
@@ -283,6 +285,7 @@ def test_follow_waits_for_new_shards_then_idle_timeout_ends(local_store, run):
     writer.join()
     assert batch.sample_ids == [f"{late}-{i}" for i in range(4)]
     assert batch.wait_seconds >= 0.2 and time.monotonic() - t0 >= 0.4
+    stream.idle_timeout = 0.5
     end = stream.next_batch(3, 0)
     assert isinstance(end, StreamEnd) and "idle" in end.reason and end.kind == "idle_timeout"
 

@@ -142,7 +142,8 @@ def table(opd: dict, imports: dict[str, float], trl: dict | None) -> str:
     for name in ("launcher", "rollout", "annotate", "train"):
         rows.append(row(f"opd {name}", opd["processes"].get(name), imports[name], opd["cpu_s"]))
     reported = sum(opd["processes"].values())
-    rows.append(row("**opd, all processes** (getrusage of the run)", opd["cpu_s"], sum(imports.values()), opd["cpu_s"]))
+    opd_imports = sum(imports[name] for name in OPD_IMPORTS)
+    rows.append(row("**opd, all processes** (getrusage of the run)", opd["cpu_s"], opd_imports, opd["cpu_s"]))
     # the gap to the run's getrusage: what each process spends after its exit hook (interpreter shutdown)
     rows.append(f"| (the processes' own reports, at their exit hooks, add up to) | {reported:.1f} | | | | | |")
     if trl:

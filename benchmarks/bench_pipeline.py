@@ -185,8 +185,8 @@ def child_env(threads: int) -> dict:
 
 
 # ---------------------------------------------------------------------- runs
-def run_pipeline(name: str, out: Path, cfg: Config, *, timeout: float) -> dict:
-    """`opd run` on a fresh store; returns the clock's part of the record."""
+def run_pipeline(name: str, out: Path, cfg: Config, *, timeout: float, env: dict | None = None) -> dict:
+    """`opd run` on a fresh store; returns the clock's part of the record. `env`: extra variables for its processes."""
     config_path = write_resolved_config(cfg, out / "config.yaml")
     argv = [*CLI, "run", "--config", str(config_path), "--quiet", "--logs", str(out / "logs")]
     if cfg.run.sync:
@@ -194,7 +194,11 @@ def run_pipeline(name: str, out: Path, cfg: Config, *, timeout: float) -> dict:
     print(f"[{name}] {' '.join(argv[2:])}", flush=True)
     with Clock() as clock, open(out / "run.log", "wb") as log:
         proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(cfg.run.threads_per_stage), start_new_session=True
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**child_env(cfg.run.threads_per_stage), **(env or {})},
+            start_new_session=True,
         )
         try:
             status = proc.wait(timeout=timeout)

@@ -84,7 +84,6 @@ IMPORT_PROBE = (
 def import_cpu(python: str, modules: list[str]) -> float:
     """CPU-s of a fresh interpreter that imports `modules` (interpreter start-up included) and exits."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("OPD_BENCH_CPU_LOG", None)
     out = subprocess.run([python, "-c", IMPORT_PROBE, *modules], capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["cpu_s"]
 
@@ -100,17 +99,10 @@ def run_opd(cfg, out: Path, timeout: float) -> dict:
     shim_dir.mkdir(parents=True)
     (shim_dir / "sitecustomize.py").write_text(SHIM)
     cpu_log = out / "process-cpu.jsonl"
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "OPD_BENCH_CPU_LOG")}
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim_dir), str(ROOT), saved["PYTHONPATH"]) if p)
-    os.environ["OPD_BENCH_CPU_LOG"] = str(cpu_log)
-    try:
-        clock = run_pipeline("opd", out, cfg, timeout=timeout)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    python_path = os.pathsep.join(p for p in (str(shim_dir), str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    clock = run_pipeline(
+        "opd", out, cfg, timeout=timeout, env={"PYTHONPATH": python_path, "OPD_BENCH_CPU_LOG": str(cpu_log)}
+    )
     if clock["status"] != 0:
         raise SystemExit(f"`opd run` failed (status {clock['status']}): see {out / 'logs'}")
     result = measure(out / "store", clock)

@@ -1,8 +1,8 @@
 """`opd run`'s launcher stays light: it imports neither torch nor transformers (issue #25).
 
 The launcher only starts, watches and stops the stages; each stage imports torch and transformers itself. When
-the launcher imported them too (through a two-line helper in rollout/), every `opd run` paid ~2.5 CPU-s and as
-much start-up before its first stage started (benchmarks/bench_stage_cpu.py). A fresh interpreter imports the
+the launcher imported them too (through a two-line helper in rollout/), every `opd run` paid ~3 CPU-s and ~2.4 s of
+start-up before its first stage started (benchmarks/bench_stage_cpu.py). A fresh interpreter imports the
 modules `opd run` goes through: the CLI, the attach checks, the supervisor.
 """
 

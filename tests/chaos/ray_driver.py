@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
@@ -56,6 +56,16 @@ class RayStage:
         return proc if proc.poll() is None else None
 
 
+@dataclass(frozen=True)
+class RunningRayStage:
+    """A stage with its process read once: `RayStage.proc` re-reads the `.pids` file and polls at every access, so
+    a process that ended between `_running()`'s check and a later `stage.proc.pid` gave None (CI, stop 33)."""
+
+    name: str
+    log_path: Path
+    proc: StageProcessOnRay
+
+
 class RayChaosDriver(ChaosDriver):
     def __init__(self, config_path: Path, workdir: Path, settings: ChaosSettings, env: dict | None = None):
         super().__init__(config_path, workdir, settings, env)
@@ -90,6 +100,14 @@ class RayChaosDriver(ChaosDriver):
         with open(self.workdir / "kills.jsonl", "a") as f:
             f.write(json.dumps(asdict(kill)) + "\n")
         self._start(stage)
+
+    def _running(self, kind: str | None = None) -> list[RunningRayStage]:
+        running = []
+        for stage in self.stages:
+            proc = stage.proc
+            if proc is not None and (kind is None or _stage_kind(stage.name) == kind):
+                running.append(RunningRayStage(stage.name, stage.log_path, proc))
+        return running
 
     def _resume_others(self) -> None:
         """A stopped process at a kill point that is no stage's current process (the launcher): go on."""

@@ -103,7 +103,10 @@ class RolloutConfig(Section):
     follow: bool = Field(False, description="keep running until the trainer's DONE marker")
     max_buffer_samples: int = Field(4096, ge=1, description="pause while the unconsumed backlog is larger")
     poll_seconds: float = Field(
-        1.0, gt=0, description="wait between store checks (new policy, backlog); each is a LIST on S3"
+        1.0,
+        gt=0,
+        description="longest wait between store checks (new policy, backlog; each a LIST on S3); a local store's "
+        "bells wake it at once",
     )
     claim_seconds: float = Field(
         60.0,
@@ -166,7 +169,10 @@ class AnnotateConfig(Section):
     )
     follow: bool = Field(False, description="keep annotating new shards until the trainer's train/DONE marker")
     poll_seconds: float = Field(
-        1.0, gt=0, description="wait between listings of new rollout shards; each is a LIST on S3"
+        1.0,
+        gt=0,
+        description="longest wait between listings of new rollout shards (each a LIST on S3); a local store's "
+        "bells wake it at once",
     )
     trust_remote_code: bool = Field(False, description="let transformers run the model repository's own code")
     cross_tokenizer: bool = Field(
@@ -250,7 +256,10 @@ class TrainConfig(Section):
     seed: int = Field(0, description="torch seed of the trainer")
     follow: bool = Field(False, description="wait for new shards until max_steps (else train what is there)")
     poll_seconds: float = Field(
-        1.0, gt=0, description="wait between listings of new annotated parts; on a local store 0.1 is cheap"
+        1.0,
+        gt=0,
+        description="longest wait between listings of new annotated parts (each a LIST on S3); a local store's "
+        "bells wake it at once",
     )
     report_to: list[Literal["tensorboard", "wandb"]] = Field(
         [],

@@ -226,6 +226,7 @@ def evaluate_store(
     # the trainer's retention keeps the versions still to evaluate (opd_cache/storage/retention.py)
     hold = VersionHold(store, f"eval-{worker}", ttl_s=max(600.0, 30 * poll_seconds))
     hold.hold(1, every=every)
+    bell = store.bell(layout.POLICY, layout.TRAIN)  # a new version, DONE: wake at once (storage/bells.py)
     done_versions = {r["version"] for r in log.records()}
     engine = None
     results = []
@@ -261,4 +262,4 @@ def evaluate_store(
         if finished or not follow:
             hold.release()
             return results
-        time.sleep(poll_seconds)
+        bell.wait(poll_seconds)

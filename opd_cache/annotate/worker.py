@@ -151,6 +151,7 @@ class Annotator:
         self.teacher_path = os.path.abspath(cfg.teacher) if os.path.isdir(cfg.teacher) else cfg.teacher
         self.console = console or Console(stderr=True)
         self.stop = stop or threading.Event()
+        self.bell = store.bell(layout.ROLLOUTS, layout.TRAIN)  # new shards; the trainer's schedule, DONE
         # with --follow a store without run.json yet is waited for (`opd run` starts every stage at once)
         run = store.manifest.read() if cfg.follow else store.manifest.require()
 
@@ -179,11 +180,8 @@ class Annotator:
         self.union_support = cfg.engine == "hf"  # vLLM cannot gather log-probs at arbitrary ids
         worker = cfg.worker_id or f"{self.teacher}-{cfg.worker_index}"
         self.metrics = MetricsLog(store, "annotate", worker)
-        self.leases = (
-            LeaseBook(store, self.teacher, worker, cfg.lease_seconds)
-            if cfg.num_workers == 1 and cfg.lease_seconds is not None
-            else None
-        )
+        leased = cfg.num_workers == 1 and cfg.lease_seconds is not None
+        self.leases = LeaseBook(store, self.teacher, worker, cfg.lease_seconds) if leased else None
         self.selection = ShardSelection(
             store,
             self.teacher,
@@ -301,7 +299,7 @@ class Annotator:
             if self._limit_reached() or (not worked and not self.cfg.follow):
                 return
             if not worked:
-                self.stop.wait(self.cfg.poll_seconds)
+                self.bell.wait(self.cfg.poll_seconds, self.stop)
 
     def _skip_expired(self, info: ShardInfo, schedule) -> None:
         """A shard no remaining step can train: left unscored, recorded with its rows (#25)."""

@@ -28,6 +28,7 @@ STAGE_RATE_FLAGS = {
 def spec_from_config(cfg, rollout, annotate, train):
     """The model's settings from a run configuration (`opd_cache.config.Config`) and three `Service`s."""
     from opd_cache.flow.simulate import PipelineSpec
+    from opd_cache.storage.bells import rings
 
     t = cfg.train
     if t.global_batch_samples is None:
@@ -55,6 +56,8 @@ def spec_from_config(cfg, rollout, annotate, train):
         rollout_poll_s=cfg.rollout.poll_seconds,
         annotate_poll_s=cfg.annotate.poll_seconds,
         train_poll_s=t.poll_seconds,
+        # a local store's bells wake a waiting stage at the write it waits on (storage/bells.py)
+        bells=rings(cfg.store.uri),
     )
 
 
@@ -145,7 +148,9 @@ def settings_line(spec) -> str:
     return (
         f"rollout workers {spec.rollout_workers}, annotate workers {spec.annotate_workers}, "
         f"flush_rows {spec.flush_rows}, batch_prompts {spec.batch_prompts}, max_buffer_samples "
-        f"{spec.max_buffer_samples}, poll_seconds {spec.train_poll_s:g}, publish_every {spec.publish_every}"
+        f"{spec.max_buffer_samples}, poll_seconds {spec.train_poll_s:g}"
+        f"{' (a local store: its bells wake a waiting stage first)' if spec.bells else ''}, "
+        f"publish_every {spec.publish_every}"
     )
 
 
@@ -307,7 +312,9 @@ def _print_gpu_table(counts, config, sets, tokens, batch_samples, steps, rates=N
         cfg.train.global_batch_tokens, cfg.train.global_batch_samples = None, batch_samples
     placeholder = Service(per_row=1.0)
     base = spec_from_config(cfg, placeholder, placeholder, placeholder)
-    base = replace(base, steps=steps or base.steps)
+    # GPU workers span machines: their stages meet in an object store or a shared filesystem, where no bell rings
+    # from one machine to another (storage/bells.py), so they wait their polls
+    base = replace(base, steps=steps or base.steps, bells=False)
     source = "given" if any(v is not None for v in given.values()) else "assumed on paper (docs/flow-control.md)"
     table = Table(
         title=(

@@ -4,6 +4,8 @@ A process is a Python generator that yields what it waits for:
 
 - a number: sleep that many simulated seconds (a poll interval, a publish latency);
 - a `Signal`: wake when another process fires it (the trainer's queue of prefetched batches);
+- `Wait(signals, timeout)`: wake when one of the signals fires or `timeout` seconds pass, whichever comes first
+  (a stage woken by the store's bells, or at its next poll);
 - `Work(seconds)`: compute for that many seconds of one core; with `cores` set, the busy processes share the
   cores (processor sharing: k jobs on c < k cores each run at c / k), which is how three stages and an
   evaluator share a 2-core machine.
@@ -39,6 +41,14 @@ class Signal:
         waiters, self.waiters = self.waiters, []
         for process in waiters:
             self.sim.resume_at(self.sim.now, process)
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Sleep until one of `signals` fires or `timeout` simulated seconds pass, whichever comes first."""
+
+    signals: tuple[Signal, ...]
+    timeout: float
 
 
 class Processors:
@@ -142,5 +152,21 @@ class Simulation:
             self.cpu.start(max(wanted.seconds, 0.0), process)
         elif isinstance(wanted, Signal):
             wanted.waiters.append(process)
+        elif isinstance(wanted, Wait):
+            self._wait(wanted, process)
         else:
             self.resume_at(self.now + max(float(wanted), 0.0), process)
+
+    def _wait(self, wait: Wait, process: Process) -> None:
+        """Resume `process` once: at the first signal or at the timeout (whatever comes later is ignored)."""
+        resumed = False
+
+        def resume() -> None:
+            nonlocal resumed
+            if not resumed:
+                resumed = True
+                self._step(process)
+
+        for signal in wait.signals:
+            signal.waiters.append(resume)  # Signal.fire queues it; a queued callable is called
+        self.call_at(self.now + max(wait.timeout, 0.0), resume)

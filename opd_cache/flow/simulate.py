@@ -26,7 +26,7 @@ saves a state every `save_every` steps.
 Service times are `Service`s: fixed + per-row seconds, times a gamma factor (mean 1, coefficient of variation
 `cv`). Outputs (`SimResult`): wall time, the trainer's busy share Σ compute / Σ (compute + waiting for data),
 samples generated, scored, trained and expired, the mean staleness of trained rows, and how long the last step
-waited. Seconds of CPU for thousands of steps: every loop sleeps at least one poll interval when it waits.
+waited. With `bells` (a local store, storage/bells.py) a waiting loop also wakes at the store's next change.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from opd_cache.flow.events import Signal, Simulation, Work
+from opd_cache.flow.events import Signal, Simulation, Wait, Work
 from opd_cache.flow.schedule import TrainSchedule
 from opd_cache.flow.spec import PipelineSpec, Service, SimResult
 
@@ -136,6 +136,18 @@ class PipelineModel:
         self.optimizer_waiting = False
         self.mutual_wait = self.longest_mutual_wait = 0.0
         self.store.progress = self.snapshot()
+        # a local store's bells (storage/bells.py), one per top folder a stage waits on
+        self.bells = {topic: Signal(self.sim) for topic in ("rollouts", "annotated", "train", "policy")}
+
+    # ------------------------------------------------------------ waiting: a poll, or the bells
+    def wait(self, poll_s: float, *topics: str):
+        """What a waiting loop yields: its poll interval; with bells, also the next write under `topics`."""
+        return Wait(tuple(self.bells[t] for t in topics), poll_s) if self.spec.bells else poll_s
+
+    def rang(self, topic: str) -> None:
+        """A write under `topic` (rollouts: a shard; annotated: a part; train: progress, DONE; policy: LATEST)."""
+        if self.spec.bells:
+            self.bells[topic].fire()
 
     # ------------------------------------------------------------ shared arithmetic
     def version_of_step(self, step: int) -> int:
@@ -169,6 +181,7 @@ class PipelineModel:
                 seq += 1
                 buffer = 0
                 store.in_flight.pop(worker, None)
+                self.rang("rollouts")
 
         while not store.done:
             if store.latest > version:  # a newer policy: publish what the old one sampled, then reload
@@ -204,7 +217,7 @@ class PipelineModel:
                 if wait:
                     flush()  # nothing more comes at this version for now: let annotate have it
             if wait:
-                yield spec.rollout_poll_s
+                yield self.wait(spec.rollout_poll_s, "train", "policy")  # as rollout/worker.py's bell
                 continue
             rows = prompts * spec.n
             if not buffer:
@@ -228,7 +241,7 @@ class PipelineModel:
             else:
                 worked = yield from self._annotate_next_by_deadline()
             if not worked:
-                yield spec.annotate_poll_s
+                yield self.wait(spec.annotate_poll_s, "rollouts", "train")
 
     def _score(self, shard: SimShard):
         shard.claimed = True
@@ -238,6 +251,7 @@ class PipelineModel:
         shard.scored_at = self.sim.now
         self.store.unscored.remove(shard)
         self.store.scored_rows += shard.rows
+        self.rang("annotated")
 
     def _skip(self, shard: SimShard) -> None:
         shard.skipped = True
@@ -339,11 +353,13 @@ class PipelineModel:
                             self.store.progress.expired,
                         ):
                             self.store.progress = progress
+                            self.rang("train")
                         # the optimizer waits too, and nothing that could end the wait is under way
                         idle = self.optimizer_waiting and not self.working and self.publisher_free_at <= self.sim.now
-                        self.mutual_wait = self.mutual_wait + spec.train_poll_s if idle else 0.0
+                        waited_from = self.sim.now
+                        yield self.wait(spec.train_poll_s, "annotated")
+                        self.mutual_wait = self.mutual_wait + (self.sim.now - waited_from) if idle else 0.0
                         self.longest_mutual_wait = max(self.longest_mutual_wait, self.mutual_wait)
-                        yield spec.train_poll_s
                         continue
                     self.current = shard
                 self.mutual_wait = 0.0
@@ -392,6 +408,7 @@ class PipelineModel:
                 self.publisher_free_at = self.sim.now + spec.publish_latency_s
                 self.sim.call_at(self.publisher_free_at, lambda v=version: self._set_latest(v))
             store.progress = batch["progress"]
+            self.rang("train")
             if step % spec.save_every == 0 or step == spec.steps:
                 if self.publisher_free_at > self.sim.now:  # a state counts every version up to its own
                     yield self.publisher_free_at - self.sim.now
@@ -399,10 +416,12 @@ class PipelineModel:
             if overhead:
                 yield overhead
         store.done = True
+        self.rang("train")
         self.finished_at = self.sim.now
 
     def _set_latest(self, version: int) -> None:
         self.store.latest = max(self.store.latest, version)
+        self.rang("policy")
 
     # ------------------------------------------------------------ the run
     def run(self, horizon_s: float | None = None) -> SimResult:

@@ -59,6 +59,7 @@ class PipelineSpec:
     rollout_poll_s: float = 1.0
     annotate_poll_s: float = 1.0
     train_poll_s: float = 1.0
+    bells: bool = False  # a local store: a waiting stage wakes at the write it waits on (storage/bells.py)
     startup_s: float = 0.0  # launch -> every stage ready (added to the wall time)
     cores: float | None = None  # None: one core per process; else the processes share this many cores
     announce_in_flight: bool = True  # schedule pacing: workers see each other's unpublished rows

@@ -236,6 +236,9 @@ class RolloutWorker:
         # 2. The newest policy; run.json is written only once the model has loaded.
         self.policies = PolicyFiles(store, student)
         self.hold = VersionHold(store, f"rollout-{self.worker}", ttl_s=max(120.0, 30 * cfg.poll_seconds))
+        # what a paced worker waits on: the trainer (progress, DONE) and a new policy; the other workers' claims
+        # and shards only ever admit less, so they need no wake-up
+        self.bell = store.bell(layout.TRAIN, layout.POLICY)
         self.version, self.engine = self._load_newest_policy()
         self.run_manifest = store.manifest.ensure(**run_fields)
 
@@ -461,7 +464,7 @@ class RolloutWorker:
                         self.demand_covered() or time.monotonic() - buffer.started >= cfg.flush_seconds
                     ):
                         self.flush()
-                    self.stop.wait(cfg.poll_seconds)
+                    self.bell.wait(cfg.poll_seconds, self.stop)
                     continue
 
                 # 4c. Sample; 4d. publish a shard when it is full or old enough.

@@ -18,6 +18,9 @@ folder staged there into place), and uses methods that work on both: `move_file`
 The S3 endpoint is the `s3_endpoint` argument (the configuration's `store.s3_endpoint`), never read from the
 environment here.
 
+Wake-ups (opd_cache/storage/bells.py): on a local store each of those publishing writes also rings the bell of
+its top folder, so that a stage waiting on it wakes at once instead of at its next poll.
+
 Integrity (opd_cache/storage/integrity.py): shards end with an xxh3-64 trailer, checkpoint folders hold
 `_CHECKSUMS.json` (written before `_COMPLETE`); `read_buffer` hands readers a whole file in one read so
 they can verify it before use, and `verify_folder` checks a folder against its manifest.
@@ -36,6 +39,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from opd_cache.storage.bells import Bell, ring
 from opd_cache.storage.integrity import (
     MANIFEST,
     ChecksumError,
@@ -65,6 +69,10 @@ class FileStore:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
+
+    def bell(self, *topics: str) -> Bell:
+        """What a waiting stage waits on: a write under one of these top folders, or its poll (storage/bells.py)."""
+        return Bell(self, topics)
 
     # ------------------------------------------------------------------ paths
     def path(self, *parts: str) -> str:
@@ -189,6 +197,7 @@ class FileStore:
                 finally:
                     os.close(fd)
                 os.replace(tmp, final)
+                ring(self.root, rel)
             except BaseException:
                 try:
                     os.unlink(tmp)
@@ -238,6 +247,7 @@ class FileStore:
                     f.flush()
                     os.fsync(f.fileno())
                 os.link(tmp, final)
+                ring(self.root, rel)
                 return True
             except FileExistsError:
                 return False
@@ -271,7 +281,8 @@ class FileStore:
 
         The folder must exist (`make_dir`).
         """
-        return AtomicOutput(self.fs, self.path(rel), aside=self.is_local)
+        on_commit = (lambda: ring(self.root, rel)) if self.is_local else None
+        return AtomicOutput(self.fs, self.path(rel), aside=self.is_local, on_commit=on_commit)
 
     def move_file(self, old: str, new: str) -> None:
         """Move a file to `new` (replacing a file there).
@@ -282,6 +293,7 @@ class FileStore:
         self._makedirs(self.path(new).rsplit("/", 1)[0])
         if self.is_local:
             os.replace(self.path(old), self.path(new))
+            ring(self.root, new)
         else:
             self.fs.copy_file(self.path(old), self.path(new))
             self.fs.delete_file(self.path(old))
@@ -296,6 +308,7 @@ class FileStore:
         if final.exists():
             shutil.rmtree(final)
         os.replace(staged, final)
+        ring(self.root, rel)
 
     def make_dir(self, rel: str) -> None:
         """Create the folder `rel` and its parents; nothing to do on an object store, which has no folders."""
@@ -429,8 +442,8 @@ class AtomicOutput:
     cancel an upload).
     """
 
-    def __init__(self, fs: pafs.FileSystem, final: str, *, aside: bool):
-        self.fs, self.final, self.aside = fs, final, aside
+    def __init__(self, fs: pafs.FileSystem, final: str, *, aside: bool, on_commit=None):
+        self.fs, self.final, self.aside, self.on_commit = fs, final, aside, on_commit
         self.path = tmp_name(final) if aside else final
         self.stream = fs.open_output_stream(self.path)
 
@@ -438,6 +451,8 @@ class AtomicOutput:
         self.stream.close()
         if self.aside:
             self.fs.move(self.path, self.final)
+        if self.on_commit is not None:
+            self.on_commit()
 
     def abort(self) -> None:
         try:

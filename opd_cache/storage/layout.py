@@ -18,6 +18,7 @@
 <root>/metrics/<stage>-<worker>.jsonl (or metrics/<stage>-<worker>/<segment>.jsonl on object stores)
 <root>/quarantine/<name> + <name>.reason.txt          <name>: the moved file's path with '/' as '__'
 <root>/launch/config.yaml                             the config `opd run` started the run with (launch/attach.py)
+<root>/bells/<topic>                                  local stores: rung by each write under <topic>/ (storage/bells.py)
 
 Every path above is a function below (`rollout_path(shard_id)`, `state_dir(step)`, ...): callers never join
 these names themselves, so the layout can be read, and changed, here alone.
@@ -38,6 +39,7 @@ ROLLOUTS = "rollouts"
 ANNOTATED = "annotated"
 POLICY = "policy"
 LATEST = "policy/LATEST"
+TRAIN = "train"
 TRAIN_PROGRESS = "train/progress.json"
 TRAIN_DONE = "train/DONE"
 TRAIN_STATE = "train/state"
@@ -48,6 +50,7 @@ HOLDERS = "holders"  # readers' holds on policy versions (opd_cache/storage/rete
 CLAIMS = "claims"  # rollout workers' unpublished rows, counted by the others' admission (rollout/pacing.py)
 METRICS = "metrics"
 QUARANTINE = "quarantine"
+BELLS = "bells"  # local stores' wake-ups, one empty file per top folder (opd_cache/storage/bells.py)
 LAUNCH_CONFIG = "launch/config.yaml"  # the resolved config of the `opd run` that started the run (launch/attach.py)
 REASON_SUFFIX = ".reason.txt"
 

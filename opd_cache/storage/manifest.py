@@ -267,11 +267,12 @@ class ManifestFiles:
         """run.json once the first rollout worker has created it; `say` (e.g. print) hears once that this waits.
 
         `opd run` starts every stage at once: annotate and train load their models, then wait here."""
+        bell = self.files.bell(RUN_JSON)  # a local store: woken when it is written (storage/bells.py)
         while (run := self.read()) is None:
             if say is not None:
                 say(f"waiting for {self.files.path(RUN_JSON)} (the first rollout worker creates it)")
                 say = None
-            time.sleep(min(poll_seconds, 1.0))  # at most a second late: the first step waits on it
+            bell.wait(min(poll_seconds, 1.0))  # at most a second late: the first step waits on it
         return run
 
     def ensure(self, **fields: Any) -> RunManifest:

@@ -38,7 +38,6 @@ import numpy as np
 
 from opd_cache.flow.staleness import is_too_stale, staleness_window
 from opd_cache.storage import layout
-from opd_cache.storage.layout import parse_shard_id
 from opd_cache.storage.schema import ANNOTATED, CorruptShardError, ShardError, read_shard
 from opd_cache.storage.store import RunManifest, ShardInfo, ShardWatch, Store
 from opd_cache.train.shard_data import ShardCache, read_rollout_ids
@@ -181,6 +180,7 @@ class ShardStream:
         self.cursor = cursor or StreamCursor()
         self.on_wait = on_wait
         self.stop = stop or threading.Event()  # set: the stream ends at its next batch (or wait)
+        self.bell = store.bell(layout.ANNOTATED)  # an annotated part written: wake at once (storage/bells.py)
         self._finished = set(self.cursor.finished)
         self._listing: list[ShardInfo] = []
         self._parts: dict[str, set[str]] = {}
@@ -255,7 +255,7 @@ class ShardStream:
                     t0 = time.monotonic()
                     if self.on_wait is not None:
                         self.on_wait()
-                    if self.stop.wait(self.poll_seconds):
+                    if self.bell.wait(self.poll_seconds, self.stop):
                         self._ended = ("stop_requested", "stop requested")
                         break
                     waited += time.monotonic() - t0
@@ -418,7 +418,7 @@ class ShardStream:
         if expired_ids:
             self.cursor.expired_samples += len(expired_ids)
             self._expired_since_batch += len(expired_ids)
-        self.cursor.count_done(parse_shard_id(shard_id)[0], len(expired_ids or []) + len(lost_ids or []))
+        self.cursor.count_done(layout.parse_shard_id(shard_id)[0], len(expired_ids or []) + len(lost_ids or []))
         if lines:
             self.store.write_bytes(
                 layout.skipped_path(shard_id), "".join(json.dumps(line) + "\n" for line in lines).encode()

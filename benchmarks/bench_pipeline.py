@@ -185,8 +185,11 @@ def child_env(threads: int) -> dict:
 
 
 # ---------------------------------------------------------------------- runs
-def run_pipeline(name: str, out: Path, cfg: Config, *, timeout: float, env: dict | None = None) -> dict:
-    """`opd run` on a fresh store; returns the clock's part of the record. `env`: extra variables for its processes."""
+def run_pipeline(
+    name: str, out: Path, cfg: Config, *, timeout: float, env: dict | None = None, cwd: Path | None = None
+) -> dict:
+    """`opd run` on a fresh store; returns the clock's part of the record. `env`: extra variables for its processes;
+    `cwd`: where they run (`python -m` puts the current folder first on sys.path: another source tree's code)."""
     config_path = write_resolved_config(cfg, out / "config.yaml")
     argv = [*CLI, "run", "--config", str(config_path), "--quiet", "--logs", str(out / "logs")]
     if cfg.run.sync:
@@ -198,6 +201,7 @@ def run_pipeline(name: str, out: Path, cfg: Config, *, timeout: float, env: dict
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**child_env(cfg.run.threads_per_stage), **(env or {})},
+            cwd=cwd,
             start_new_session=True,
         )
         try:

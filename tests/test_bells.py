@@ -133,3 +133,15 @@ def test_an_object_store_waits_its_poll(monkeypatch):
     waited = []
     monkeypatch.setattr(stop, "wait", lambda timeout: waited.append(timeout) or False)
     assert bell.wait(2.5, stop) is False and waited == [2.5]  # one wait of the whole poll, no ticks
+
+
+def test_no_bell_passes_for_a_data_file(local_store):
+    """Checks that read every `*.json`, `*.jsonl` or `*.arrow` of a store (the chaos invariants, verify) must not
+    find an empty bell: `bells/run.json` was read as JSON and failed a chaos run."""
+    Path(local_store.root).mkdir(parents=True)
+    local_store.bell("run.json")
+    local_store.write_bytes("run.json", b"{}")
+    local_store.write_bytes("rollouts/v000000/a.arrow", b"x")
+    bells = sorted(p.name for p in (Path(local_store.root) / "bells").iterdir())
+    assert bells == ["rollouts.bell", "run.json.bell"]
+    assert not any(name.endswith((".json", ".jsonl", ".arrow")) for name in bells)

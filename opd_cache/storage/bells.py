@@ -7,9 +7,10 @@ schedule. Each wait used to last a whole `poll_seconds`, and one step's rows pas
 work per stage) 0.1 s polls were most of a step (docs/benchmarks.md, "Wake-ups").
 
 On a local store every write that publishes a file (`FileStore.write_atomic`, `create_if_absent`,
-`move_file`, `replace_dir`, `AtomicOutput.commit`) also sets the modification time of `bells/<topic>`, where
-`<topic>` is the first component of the written path (`rollouts`, `annotated`, `train`, `policy`,
-`claims`, `run.json`, …). Only where `bells/` exists: the first `Bell` of a store makes it, so a folder
+`move_file`, `replace_dir`, `AtomicOutput.commit`) also sets the modification time of `bells/<topic>.bell`,
+where `<topic>` is the first component of the written path (`rollouts`, `annotated`, `train`, `policy`,
+`claims`, `run.json`, …; the suffix keeps an empty bell from passing for a data file: `bells/run.json` would
+be read as JSON by whatever checks every `*.json` of a store). Only where `bells/` exists: the first `Bell` of a store makes it, so a folder
 nobody waits on (an `opd export`, a store read by `opd inspect`) gets no bells. A waiting stage `stat`s the bells of the topics it waits on every `TICK_S` and
 wakes when one changed: a few microseconds per tick instead of a listing, and a wake-up within a tick of
 the write, from any process on the machine. `poll_seconds` stays the longest wait: a missed ring (another
@@ -37,6 +38,10 @@ def rings(uri: str) -> bool:
     return "://" not in uri or uri.startswith("file://")
 
 
+def bell_path(root: str, topic: str) -> str:
+    return os.path.join(root, BELLS, f"{topic}.bell")
+
+
 def ring(root: str, rel: str) -> None:
     """Ring the bell of `rel`'s topic in the local store at `root` (called after the write is visible).
 
@@ -46,7 +51,7 @@ def ring(root: str, rel: str) -> None:
     topic = rel.split("/", 1)[0]
     if topic == BELLS:
         return
-    path = os.path.join(root, BELLS, topic)
+    path = bell_path(root, topic)
     now = time.time_ns()
     with contextlib.suppress(OSError):  # no bells/, a read-only or full store: the waiters fall back to polls
         try:
@@ -66,7 +71,7 @@ class Bell:
 
     def __init__(self, store, topics: Iterable[str]):
         self.folder = os.path.join(store.root, BELLS) if store.is_local else None
-        self.paths = [os.path.join(self.folder, topic) for topic in topics] if self.folder else []
+        self.paths = [bell_path(store.root, topic) for topic in topics] if self.folder else []
         self._make_folder()
         self._seen = self._stamps()
 

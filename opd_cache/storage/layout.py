@@ -18,7 +18,7 @@
 <root>/metrics/<stage>-<worker>.jsonl (or metrics/<stage>-<worker>/<segment>.jsonl on object stores)
 <root>/quarantine/<name> + <name>.reason.txt          <name>: the moved file's path with '/' as '__'
 <root>/launch/config.yaml                             the config `opd run` started the run with (launch/attach.py)
-<root>/bells/<topic>                                  local stores: rung by each write under <topic>/ (storage/bells.py)
+<root>/bells/<topic>.bell                             local stores: rung by each write under <topic>/ (storage/bells.py)
 
 Every path above is a function below (`rollout_path(shard_id)`, `state_dir(step)`, ...): callers never join
 these names themselves, so the layout can be read, and changed, here alone.

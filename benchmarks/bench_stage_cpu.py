@@ -89,7 +89,10 @@ def import_cpu(python: str, modules: list[str]) -> float:
 
 
 def process_name(argv: list[str]) -> str:
-    """launcher / rollout / annotate / train from a process's argv (`… opd_cache/cli/__main__.py train …`)."""
+    """launcher / fork server / rollout / annotate / train from a process's argv (`… cli/__main__.py train …`;
+    a stage forked by the fork server has `opd train …`)."""
+    if argv and argv[0].endswith("forkserver.py"):
+        return "fork server"  # launch/forkserver.py: the stages' imports, once
     stage = argv[1] if len(argv) > 1 else "?"
     return "launcher" if stage == "run" else stage
 
@@ -131,10 +134,18 @@ def table(opd: dict, imports: dict[str, float], trl: dict | None) -> str:
         imp = "" if imported is None else f"{imported:.1f}"
         return f"| {name} | {cpu:.1f} | {imp} | {rest} | {1000 * cpu / samples:.2f} | {cpu / base_cpu:.0%} | {ratio} |"
 
-    for name in ("launcher", "rollout", "annotate", "train"):
-        rows.append(row(f"opd {name}", opd["processes"].get(name), imports[name], opd["cpu_s"]))
+    # forked stages (run.fork_stages) import nothing themselves: the fork server imported for them, once
+    forked = "fork server" in opd["processes"]
+    for name in ("launcher", "fork server", "rollout", "annotate", "train"):
+        if name == "fork server" and not forked:
+            continue
+        imported = imports.get(name) if not forked or name == "launcher" else None
+        rows.append(row(f"opd {name}", opd["processes"].get(name), imported, opd["cpu_s"]))
     reported = sum(opd["processes"].values())
-    opd_imports = sum(imports[name] for name in OPD_IMPORTS)
+    if forked:  # the launcher's imports, and the fork server's, which are nearly all it does
+        opd_imports = imports["launcher"] + opd["processes"]["fork server"]
+    else:
+        opd_imports = sum(imports[name] for name in OPD_IMPORTS)
     rows.append(row("**opd, all processes** (getrusage of the run)", opd["cpu_s"], opd_imports, opd["cpu_s"]))
     # the gap to the run's getrusage: what each process spends after its exit hook (interpreter shutdown)
     rows.append(f"| (the processes' own reports, at their exit hooks, add up to) | {reported:.1f} | | | | | |")

@@ -336,6 +336,11 @@ class RunConfig(Section):
     evaluate: bool = Field(True, description="run an evaluator process on eval.prompts")
     eval_every: int = Field(1, ge=1, description="evaluate every N-th published version (and the last)")
     threads_per_stage: int = Field(1, ge=1, description="OMP threads of each stage process")
+    fork_stages: bool = Field(
+        True,
+        description="fork the stages (not vLLM ones) from one process that imported torch, transformers and "
+        "pyarrow once (launch/forkserver.py), instead of a fresh interpreter each",
+    )
     drain_seconds: float = Field(60.0, ge=0, description="after training: time for the evaluator to finish")
 
 

@@ -34,3 +34,23 @@ def test_the_shim_is_silent_without_its_log_variable(tmp_path):
         [sys.executable, "-c", "print('ok')"], env={**env, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True
     )
     assert out.returncode == 0 and out.stdout == "ok\n" and out.stderr == ""
+
+
+def test_the_shim_reports_forked_stages_and_their_fork_server(tmp_path):
+    """With `run.fork_stages` the stages are forks of launch/forkserver.py: each still reports its own CPU (a
+    fork starts its CPU count at zero and runs the exit functions it inherited), and so does the server."""
+    from opd_cache.launch.forkserver import StageForkServer
+
+    (tmp_path / "sitecustomize.py").write_text(bench_stage_cpu.SHIM)
+    log = tmp_path / "cpu.jsonl"
+    pythonpath = os.pathsep.join([str(tmp_path), str(ROOT)])
+    env = {**os.environ, "PYTHONPATH": pythonpath, "OPD_BENCH_CPU_LOG": str(log)}
+    server = StageForkServer(env, cwd=ROOT)
+    try:
+        assert server.start("opd_cache.cli", ["inspect", "--help"], env, tmp_path / "help.log", cwd=ROOT).wait(120) == 0
+    finally:
+        server.close()
+    records = {bench_stage_cpu.process_name(r["argv"]): r for r in map(json.loads, log.read_text().splitlines())}
+    assert sorted(records) == ["fork server", "inspect"]
+    server_cpu, stage_cpu = (records[n]["user_s"] + records[n]["system_s"] for n in ("fork server", "inspect"))
+    assert server_cpu > 1.0 > stage_cpu  # the imports are the server's; the fork's count started at zero

@@ -37,6 +37,7 @@ from rich.table import Table
 
 from opd_cache.config import Config
 from opd_cache.flow.demand import announce_demand
+from opd_cache.launch.forkserver import ForkedStage, StageForkServer
 from opd_cache.observe.metrics import read_metrics
 from opd_cache.observe.progress import Every, duration
 from opd_cache.storage.store import ShardTally, Store
@@ -47,14 +48,26 @@ class StageProcess:
     name: str  # e.g. "rollout-w00"
     argv: list[str]
     log_path: Path
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | ForkedStage | None = None
+    forkable: bool = True  # `python -m opd_cache.cli …` that the fork server may start (not a vLLM engine's)
     restarts: int = 0
     next_start: float = 0.0
     finished: bool = False  # exited 0
     failed: bool = False  # exited non-zero more often than allowed
     exit_codes: list[int] = field(default_factory=list)
 
-    def start(self, env: dict) -> None:
+    @property
+    def can_fork(self) -> bool:
+        """An `opd` command of this interpreter that the fork server may start (launch/forkserver.py)."""
+        return self.forkable and self.argv[:3] == [sys.executable, "-m", "opd_cache.cli"]
+
+    def start(self, env: dict, server: StageForkServer | None = None) -> None:
+        if server is not None and server.alive and self.can_fork:
+            try:
+                self.proc = server.start(self.argv[2], self.argv[3:], env, self.log_path)
+                return
+            except RuntimeError as e:  # the server is gone: a fresh interpreter, as without it
+                print(f"opd run: {e}; starting {self.name} as a new process", file=sys.stderr)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -94,6 +107,7 @@ def stage_commands(cfg: Config, config_path: Path, logs: Path) -> list[StageProc
                 f"rollout-{worker}",
                 [*cli, "rollout", *common, "--worker-id", worker, "--follow"],
                 logs / f"rollout-{worker}.log",
+                forkable=cfg.rollout.engine != "vllm",  # vLLM starts engine processes of its own
             )
         )
     teachers = cfg.run.teachers or {cfg.annotate.teacher_name: cfg.annotate.teacher}
@@ -115,6 +129,7 @@ def stage_commands(cfg: Config, config_path: Path, logs: Path) -> list[StageProc
                         "--follow",
                     ],
                     logs / f"annotate-{name}-{i}.log",
+                    forkable=cfg.annotate.engine != "vllm",
                 )
             )
     stages.append(StageProcess("train", [*cli, "train", *common, "--follow"], logs / "train.log"))
@@ -334,8 +349,10 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
     env.setdefault("OMP_NUM_THREADS", str(cfg.run.threads_per_stage))
     env.setdefault("COLUMNS", "200")  # a log file has no width: rich would wrap the stages' lines at 80 columns
     announce_demand(store, cfg.train, cfg.max_staleness)  # rollout paces on the trainer's schedule from the start
+    forking = cfg.run.fork_stages and any(s.can_fork for s in stages)
+    server = StageForkServer(env) if forking else None  # the stages' imports, once (launch/forkserver.py)
     for stage in stages:
-        stage.start(env)
+        stage.start(env, server)
 
     stop = StopSignals()
     failure = None
@@ -347,7 +364,7 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
                 failure = poll_stages(stages, now, cfg.run.max_restarts)  # the loop ends at the first
                 for stage in stages:
                     if stage.proc is None and not stage.finished and not stage.failed and now >= stage.next_start:
-                        stage.start(env)
+                        stage.start(env, server)
                 display.update()
                 trainer = next(s for s in stages if s.name == "train")
                 if failure or trainer.finished:
@@ -364,9 +381,12 @@ def supervise(cfg: Config, config_path: Path, logs: Path, *, quiet: bool = False
     finally:
         for stage in stages:
             stage.signal(signal.SIGTERM)
-        time.sleep(0.5)
+        if any(s.proc is not None and s.proc.poll() is None for s in stages):
+            time.sleep(0.5)
         for stage in stages:
             stage.signal(signal.SIGKILL)
+        if server is not None:
+            server.close()  # after its children: their CPU reaches whoever waits for this process
         stop.restore()
     if failure:
         print(f"opd run: {failure}", file=sys.stderr)

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from opd_cache.config import Config, load_config
+from opd_cache.launch.forkserver import StageForkServer
 from opd_cache.launch.run import StageProcess, stage_commands
 from opd_cache.storage import layout
 from opd_cache.storage.store import TMP_MARKER, Store, StoreError, parse_shard_id
@@ -112,7 +113,9 @@ class ChaosSettings:
     kill_at_tmp: float = 0.3  # probability of killing the writer of a newly seen *.tmp-*
     timeout_s: float = 1500.0  # generous: on a busy 2-core machine one restart takes 20-40 s
     corruptions: int = 3  # stored files damaged during the run (flipped bytes or truncation), at most
-    corrupt_interval_s: float = 15.0  # mean time between two of them
+    # mean time between two of them: the local run takes ~30 s since its restarts are forks (launch/forkserver.py);
+    # at 15 s a run could end before any file was damaged
+    corrupt_interval_s: float = 4.0
 
 
 @dataclass
@@ -236,10 +239,13 @@ class ChaosDriver:
         self._tmp_seen: set[str] = set()
         self.pristine = workdir / "pristine"  # each damaged file's bytes before the damage
         self._annotated_done: set[str] = set()  # annotated/<version>/<shard> folders whose part exists (no tmp)
+        self.fork_server: StageForkServer | None = None  # as `opd run` starts its stages (launch/forkserver.py)
 
     # ------------------------------------------------------------ processes
     def _start(self, stage: StageProcess) -> None:
-        stage.start(self.env)
+        if self.cfg.run.fork_stages and self.fork_server is None and stage.can_fork:
+            self.fork_server = StageForkServer(self.env)  # the hook is imported there once, like the modules
+        stage.start(self.env, self.fork_server)
         self.report.starts[stage.name] += 1
         self._started_at[stage.name] = time.monotonic()
 
@@ -560,6 +566,8 @@ class ChaosDriver:
                     except ProcessLookupError:
                         pass
                     stage.proc.wait()
+            if self.fork_server is not None:
+                self.fork_server.close()
         self.report.seconds = time.monotonic() - self._t0
         return self.report
 

@@ -55,7 +55,16 @@ def _install() -> None:
         if "=" in item:
             kind, p = item.split("=")
             probabilities[kind.strip()] = float(p)
-    rng = random.Random(f"{os.environ.get('OPD_CHAOS_SEED', '0')}-{os.getpid()}")
+    seed = os.environ.get("OPD_CHAOS_SEED", "0")
+    rngs: dict[int, random.Random] = {}
+
+    def chance() -> float:
+        """A draw from this process's own sequence: a stage forked from `opd run`'s fork server (which imported
+        this file once) draws its own, as a fresh interpreter does."""
+        pid = os.getpid()
+        if pid not in rngs:
+            rngs[pid] = random.Random(f"{seed}-{pid}")
+        return rngs[pid].random()
 
     up_marker_written: list[bool] = []
 
@@ -99,7 +108,7 @@ def _install() -> None:
             return False
 
     def pause(kind: str, moment: str) -> None:
-        if rng.random() >= probabilities.get(kind, probabilities["*"]) and not owed(f"{kind}:{moment}"):
+        if chance() >= probabilities.get(kind, probabilities["*"]) and not owed(f"{kind}:{moment}"):
             return
         marker = os.path.join(_DIR, f"pause-{os.getpid()}")
         # One pause at a time per process: the trainer's background publisher and its loop can reach kill

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from opd_cache.launch.forkserver import StageForkServer
+from opd_cache.launch.forkserver import ForkedStage, StageForkServer
 from tests.conftest import REPO
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -84,7 +84,7 @@ def test_closing_the_server_hands_the_stages_cpu_to_its_parent(tmp_path):
     assert result["cpu"] > 1.0  # the server's imports of torch and transformers, at least
 
 
-def test_opd_run_forks_its_stages_unless_told_not_to(tmp_path):
+def test_opd_run_forks_its_stages_but_not_vllm_ones(tmp_path):
     from opd_cache.config import load_config
     from opd_cache.launch.run import stage_commands
 
@@ -95,9 +95,10 @@ def test_opd_run_forks_its_stages_unless_told_not_to(tmp_path):
     assert [s.name for s in stage_commands(cfg, tmp_path / "c.yaml", tmp_path) if not s.can_fork] == ["rollout-w00"]
 
 
-def test_the_supervisor_restarts_a_forked_stage_then_gives_up(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("fork_stages", [True, False])
+def test_the_supervisor_restarts_a_forked_stage_then_gives_up(tmp_path, monkeypatch, capsys, fork_stages):
     """`opd run`'s supervisor with forked stages: a stage that fails is forked again after its back-off, then
-    given up; the others run to their end (tests/test_run.py has the same with fresh interpreters)."""
+    given up; the others run to their end. With `run.fork_stages: false`, the same as fresh processes."""
     from opd_cache.config import load_config
     from opd_cache.launch import run as run_module
     from opd_cache.launch.run import StageProcess
@@ -106,7 +107,8 @@ def test_the_supervisor_restarts_a_forked_stage_then_gives_up(tmp_path, monkeypa
     store_dir = tmp_path / "store"
     store_dir.mkdir()
     (store_dir / "run.json").write_text("{}")
-    cfg = load_config(tiny_config(tmp_path), overrides={"run.max_restarts": 1, "run.drain_seconds": 30})
+    overrides = {"run.max_restarts": 1, "run.drain_seconds": 30, "run.fork_stages": fork_stages}
+    cfg = load_config(tiny_config(tmp_path), overrides=overrides)
     cli = [sys.executable, "-m", "opd_cache.cli"]
     stages = [
         StageProcess("train", [*cli, "inspect", str(tmp_path / "nope")], tmp_path / "train.log"),
@@ -114,7 +116,11 @@ def test_the_supervisor_restarts_a_forked_stage_then_gives_up(tmp_path, monkeypa
     ]
     assert all(s.can_fork for s in stages)
     monkeypatch.setattr(run_module, "stage_commands", lambda cfg, config_path, logs: stages)
+    started = []  # the stage processes as the supervisor held them
+    real_start = StageProcess.start
+    monkeypatch.setattr(StageProcess, "start", lambda self, *a: (real_start(self, *a), started.append(self.proc)))
     status = run_module.supervise(cfg, tmp_path / "config.yaml", tmp_path / "logs", quiet=True)
+    assert len(started) == 3 and all(isinstance(p, ForkedStage) == fork_stages for p in started)
     assert status == 1
     assert "train exited with status 2 2 time(s)" in capsys.readouterr().err
     assert (tmp_path / "train.log").read_text().count("does not exist") == 2  # forked twice

@@ -42,6 +42,18 @@ def test_a_store_of_the_previous_release_lists_and_validates(tmp_path):
         assert "target_flags" not in part.schema.names  # and before cross-tokenizer targets
 
 
+def test_a_store_of_the_previous_release_gets_its_bells_from_the_first_waiter(tmp_path):
+    """The layout's one addition since (storage/bells.py): an older store has no bells/; a stage that waits on
+    it makes the folder, and today's writes to the store then wake it."""
+    assert not (FIXTURE / layout.BELLS).exists()
+    store = open_copy(tmp_path)
+    bell = store.bell(layout.ROLLOUTS)
+    assert (tmp_path / "store" / layout.BELLS).is_dir()
+    shard = layout.rollout_path(SHARDS[0])
+    store.write_bytes(layout.rollout_path("v000001-w00-000000"), store.read_bytes(shard))
+    assert bell.changed()
+
+
 def test_the_trainer_reads_every_row_and_token_of_the_previous_release(tmp_path):
     store = open_copy(tmp_path)
     run = store.manifest.read()

@@ -69,7 +69,6 @@ def serve() -> None:
         replies.write(json.dumps(message) + "\n")
         replies.flush()  # before any fork: a child must not inherit (and repeat) buffered replies
 
-    say({"ready": True})
     while accepting or children:
         readable = select.select([requests], [], [], 0.2)[0] if accepting else []
         if readable:

@@ -42,6 +42,9 @@ from opd_cache.observe.metrics import read_metrics
 from opd_cache.observe.progress import Every, duration
 from opd_cache.storage.store import ShardTally, Store
 
+# every stage is this command (`opd <stage> …` with this interpreter); the fork server starts exactly these
+CLI = [sys.executable, "-m", "opd_cache.cli"]
+
 
 @dataclass
 class StageProcess:
@@ -59,7 +62,7 @@ class StageProcess:
     @property
     def can_fork(self) -> bool:
         """An `opd` command of this interpreter that the fork server may start (launch/forkserver.py)."""
-        return self.forkable and self.argv[:3] == [sys.executable, "-m", "opd_cache.cli"]
+        return self.forkable and self.argv[:3] == CLI
 
     def start(self, env: dict, server: StageForkServer | None = None) -> None:
         if server is not None and server.alive and self.can_fork:
@@ -97,7 +100,6 @@ def sync_overrides(cfg: Config) -> Config:
 
 def stage_commands(cfg: Config, config_path: Path, logs: Path) -> list[StageProcess]:
     """The stage processes of a run: R rollout workers, A annotate workers per teacher, the trainer, an evaluator."""
-    cli = [sys.executable, "-m", "opd_cache.cli"]
     common = ["--config", str(config_path)]
     stages = []
     for w in range(cfg.run.rollout_workers):
@@ -105,7 +107,7 @@ def stage_commands(cfg: Config, config_path: Path, logs: Path) -> list[StageProc
         stages.append(
             StageProcess(
                 f"rollout-{worker}",
-                [*cli, "rollout", *common, "--worker-id", worker, "--follow"],
+                [*CLI, "rollout", *common, "--worker-id", worker, "--follow"],
                 logs / f"rollout-{worker}.log",
                 forkable=cfg.rollout.engine != "vllm",  # vLLM starts engine processes of its own
             )
@@ -117,7 +119,7 @@ def stage_commands(cfg: Config, config_path: Path, logs: Path) -> list[StageProc
                 StageProcess(
                     f"annotate-{name}-{i}",
                     [
-                        *cli,
+                        *CLI,
                         "annotate",
                         *common,
                         "--teacher",
@@ -132,7 +134,7 @@ def stage_commands(cfg: Config, config_path: Path, logs: Path) -> list[StageProc
                     forkable=cfg.annotate.engine != "vllm",
                 )
             )
-    stages.append(StageProcess("train", [*cli, "train", *common, "--follow"], logs / "train.log"))
+    stages.append(StageProcess("train", [*CLI, "train", *common, "--follow"], logs / "train.log"))
     if cfg.run.evaluate and cfg.eval.prompts:
         teacher = cfg.eval.teacher or next(iter(teachers.values()))
         if cfg.annotate.cross_tokenizer and not cfg.eval.teacher:
@@ -144,7 +146,7 @@ def stage_commands(cfg: Config, config_path: Path, logs: Path) -> list[StageProc
 def eval_command(cfg: Config, config_path: Path, teacher: str | os.PathLike | None) -> list[str]:
     """The evaluator of a run: every `run.eval_every`-th published version of the store, until train/DONE."""
     return [
-        *[sys.executable, "-m", "opd_cache.cli", "eval", "--model", cfg.store.uri],
+        *[*CLI, "eval", "--model", cfg.store.uri],
         *["--follow", "--every", str(cfg.run.eval_every)],
         *["--config", str(config_path)],
         *(["--teacher", str(teacher)] if teacher is not None else []),

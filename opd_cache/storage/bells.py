@@ -10,9 +10,9 @@ On a local store every write that publishes a file (`FileStore.write_atomic`, `c
 `move_file`, `replace_dir`, `AtomicOutput.commit`) also sets the modification time of `bells/<topic>.bell`,
 where `<topic>` is the first component of the written path (`rollouts`, `annotated`, `train`, `policy`,
 `claims`, `run.json`, …; the suffix keeps an empty bell from passing for a data file: `bells/run.json` would
-be read as JSON by whatever checks every `*.json` of a store). Only where `bells/` exists: the first `Bell` of a store makes it, so a folder
-nobody waits on (an `opd export`, a store read by `opd inspect`) gets no bells. A waiting stage `stat`s the bells of the topics it waits on every `TICK_S` and
-wakes when one changed: a few microseconds per tick instead of a listing, and a wake-up within a tick of
+be read as JSON by whatever checks every `*.json` of a store). Only where `bells/` exists: the first `Bell` of
+a store makes it, so a folder nobody waits on (an `opd export`, a store read by `opd inspect`) gets no bells.
+A waiting stage `stat`s the bells of the topics it waits on every `TICK_S` and wakes when one changed: a few microseconds per tick instead of a listing, and a wake-up within a tick of
 the write, from any process on the machine. `poll_seconds` stays the longest wait: a missed ring (another
 machine writing to a shared filesystem, a filesystem with coarse timestamps) costs one poll, as before.
 

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -49,15 +50,22 @@ def test_a_forked_stage_reads_the_environment_it_was_given(server, tmp_path):
 
 
 def test_a_forked_stage_leads_its_own_process_group_and_reports_its_signal(server, tmp_path):
-    """A trainer waiting for a store's run.json is killed through its process group, as the supervisor does;
-    a SIGKILL is its status, as Popen reports it."""
+    """A trainer waiting for a store's run.json logs that it waits (unbuffered, while it runs), and is killed
+    through its process group, as the supervisor does; a SIGKILL is its status, as Popen reports it."""
     store = tmp_path / "store"
     store.mkdir()
     config = REPO / "examples" / "arithmetic_cpu" / "config.yaml"
     argv = ["train", "--config", str(config), "--set", f"store.uri={store}", "--follow"]
-    waiting = server.start("opd_cache.cli", argv, ENV, tmp_path / "train.log", cwd=REPO)
+    log = tmp_path / "train.log"
+    waiting = server.start("opd_cache.cli", argv, ENV, log, cwd=REPO)
     assert waiting.poll() is None
     assert os.getpgid(waiting.pid) == waiting.pid  # the server answers once the child has its own session
+    # its log is written as it goes, not at exit: the waiting line shows while it is still waiting
+    deadline = time.monotonic() + 120
+    while "waiting for" not in log.read_text() and time.monotonic() < deadline:
+        assert waiting.poll() is None, log.read_text()
+        time.sleep(0.05)
+    assert "waiting for" in log.read_text() and waiting.poll() is None
     os.killpg(waiting.pid, signal.SIGKILL)
     assert waiting.wait(60) == -signal.SIGKILL
 

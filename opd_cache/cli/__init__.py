@@ -23,7 +23,9 @@ from opd_cache.cli import (  # noqa: F401  (importing a command's module registe
     verify,
 )
 from opd_cache.cli.common import app
+from opd_cache.launch.heap import keep_freed_memory
 
 
 def main() -> None:
+    keep_freed_memory()  # every stage reuses its step's memory instead of faulting it in again (launch/heap.py)
     app(prog_name="opd")  # also as `python -m opd_cache.cli` (torchrun's entry point): the usage lines say `opd`

@@ -38,6 +38,8 @@ import threading
 import time
 from pathlib import Path
 
+from opd_cache.launch.heap import keep_freed_memory
+
 # what every stage imports; the server imports them once (the stages' remaining imports are small)
 PRELOAD = (
     "torch",
@@ -55,6 +57,7 @@ START_TIMEOUT_S = 300.0  # the first start waits for the server's imports
 
 # ---------------------------------------------------------------------- the server (its own process)
 def serve() -> None:
+    keep_freed_memory()  # before the imports; the forked stages inherit it (launch/heap.py)
     for module in PRELOAD:
         try:
             __import__(module)

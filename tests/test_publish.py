@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,6 +110,28 @@ def test_an_error_of_the_writer_is_raised_in_the_trainer_thread(local_store, tok
         publisher.wait()
     publisher.close()
     assert local_store.latest_version() == 0
+    assert list(local_store.local_path("policy").iterdir()) == []  # its draft folder removed
+
+
+def test_a_local_store_gets_the_weights_written_once_in_place_and_moved_in(local_store, tokenizer, monkeypatch):
+    """The version folder is the draft the writer filled (the same file, not a copy of it)."""
+    model = build_tiny_model(vocab_size=len(tokenizer), seed=3)
+    publisher = PolicyPublisher(local_store, model, tokenizer)
+    drafts = {}
+    real_publish = Store.publish_policy
+
+    def note_the_draft(self, version, local_dir, **kwargs):
+        drafts[version] = (Path(local_dir), (Path(local_dir) / "model.safetensors").stat().st_ino, kwargs["draft"])
+        return real_publish(self, version, local_dir, **kwargs)
+
+    monkeypatch.setattr(Store, "publish_policy", note_the_draft)
+    publisher.submit(1, objective_of(model))
+    publisher.close()
+    folder, inode, draft = drafts[1]
+    assert draft and folder.parent == local_store.local_path("policy") and not folder.exists()
+    assert (local_store.local_path("policy/v000001") / "model.safetensors").stat().st_ino == inode
+    assert local_store.verify_folder("policy/v000001") == [] and local_store.latest_version() == 1
+    assert sorted(p.name for p in local_store.local_path("policy").iterdir()) == ["LATEST", "v000001"]
 
 
 def test_publish_dtype_bfloat16_is_written_and_recorded(local_store, tokenizer):

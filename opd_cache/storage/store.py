@@ -114,19 +114,34 @@ class Store(FileStore):
         """Whether `policy/v<version>` is complete (its `_COMPLETE` marker exists): one HEAD."""
         return self.exists(complete_marker(policy_dir(version)))
 
-    def publish_policy(self, version: int, local_dir: str | os.PathLike, *, point_latest: bool = True) -> None:
+    def policy_draft(self, version: int) -> Path | None:
+        """A new folder to build `policy/v<version>` in, on a local store's own filesystem (beside the version,
+        under a temporary name listings skip), so that `publish_policy(..., draft=True)` moves it into place
+        without copying the weights; None for an object store (build in a local temp folder, then upload)."""
+        if not self.is_local:
+            return None
+        folder = self.local_path(tmp_name(policy_dir(version)))
+        with self.writing("write", str(folder)):
+            folder.mkdir(parents=True)
+        return folder
+
+    def publish_policy(
+        self, version: int, local_dir: str | os.PathLike, *, point_latest: bool = True, draft: bool = False
+    ) -> None:
         """Publish a local HF checkpoint directory as `policy/v<version>` and point LATEST at it.
 
         The folder gets `_CHECKSUMS.json` (every file's size and xxh3-64) before its `_COMPLETE` marker.
         `point_latest=False` re-publishes an older version whose files were damaged, leaving LATEST alone.
+        `draft`: `local_dir` came from `policy_draft(version)` and becomes the version itself (moved, not copied).
         """
         rel = policy_dir(version)
         if self.is_local:
             if not self.is_published(version):
-                tmp = self.local_path(tmp_name(rel))
+                tmp = Path(local_dir) if draft else self.local_path(tmp_name(rel))
                 with self.writing("write", self.path(rel)):
                     try:
-                        shutil.copytree(local_dir, tmp)
+                        if not draft:
+                            shutil.copytree(local_dir, tmp)
                         (tmp / MANIFEST).write_bytes(manifest_bytes(manifest_for(tmp)))  # before the marker
                         (tmp / COMPLETE_MARKER).write_text(f"{version}\n")
                         self.replace_dir(tmp, rel)  # over a half-made folder of a killed publish

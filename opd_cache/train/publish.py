@@ -150,14 +150,16 @@ class PolicyPublisher:
                 store.delete(layout.complete_marker(layout.policy_dir(version)))
         from huggingface_hub import save_torch_state_dict
 
-        folder = Path(tempfile.mkdtemp(prefix=f"opd-policy-v{version:06d}-"))
+        # a local store: built in place and renamed into the version (one write of the weights, no copy)
+        draft = store.policy_draft(version)
+        folder = draft or Path(tempfile.mkdtemp(prefix=f"opd-policy-v{version:06d}-"))
         try:
             shutil.copytree(self.template, folder, dirs_exist_ok=True)
             save_torch_state_dict(state, folder)  # model.safetensors, or shards and their index when large
             del state
-            store.publish_policy(version, folder, point_latest=version >= latest)
+            store.publish_policy(version, folder, point_latest=version >= latest, draft=draft is not None)
         finally:
-            shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)  # what a failure left (a published draft is gone already)
         if self.keep_versions:
             prune_policy_versions(store, self.keep_versions)
 

@@ -14,6 +14,10 @@ stages sharing two cores that CPU sets the wall time. This script splits opd's t
 
     PYTHONPATH=$PWD python benchmarks/bench_stage_cpu.py --trl-python /tmp/trl/venv/bin/python --out /tmp/stage-cpu
 
+With `--baseline-tree DIR` (another checkout, e.g. `git archive <parent> | tar -x -C DIR`) the same run of that
+code goes beside this tree's, and `--repeats N` alternates N rounds of TRL, the baseline and this tree; the tables
+are the medians per process, and a last table has each round's totals and ratios.
+
 Prints one table (CPU-s per process, of which imports, ms per trained sample, ratio to TRL's total) and writes
 benchmarks/results/bench_stage_cpu.json. One run: the stages' split is what to read; totals move with the load.
 """
@@ -97,15 +101,15 @@ def process_name(argv: list[str]) -> str:
     return "launcher" if stage == "run" else stage
 
 
-def run_opd(cfg, out: Path, timeout: float) -> dict:
+def run_opd(cfg, out: Path, timeout: float, tree: Path = ROOT) -> dict:
+    """`opd run` with the code of `tree` (run from there: `python -m` puts the current folder first)."""
     shim_dir = out / "cpu-shim"
     shim_dir.mkdir(parents=True)
     (shim_dir / "sitecustomize.py").write_text(SHIM)
     cpu_log = out / "process-cpu.jsonl"
-    python_path = os.pathsep.join(p for p in (str(shim_dir), str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    clock = run_pipeline(
-        "opd", out, cfg, timeout=timeout, env={"PYTHONPATH": python_path, "OPD_BENCH_CPU_LOG": str(cpu_log)}
-    )
+    python_path = os.pathsep.join(p for p in (str(shim_dir), str(tree), os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": python_path, "OPD_BENCH_CPU_LOG": str(cpu_log)}
+    clock = run_pipeline(out.name, out, cfg, timeout=timeout, env=env, cwd=tree)
     if clock["status"] != 0:
         raise SystemExit(f"`opd run` failed (status {clock['status']}): see {out / 'logs'}")
     result = measure(out / "store", clock)
@@ -154,6 +158,36 @@ def table(opd: dict, imports: dict[str, float], trl: dict | None) -> str:
     return "\n".join(rows)
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The median of each number over the rounds (per process too): one table for several rounds."""
+    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float))]
+    out = {k: statistics.median(r[k] for r in runs) for k in keys}
+    if "processes" in runs[0]:
+        names = {n for r in runs for n in r["processes"]}
+        out["processes"] = {n: statistics.median(r["processes"].get(n, 0.0) for r in runs) for n in names}
+    return out
+
+
+def rounds_table(sides: dict[str, list[dict]]) -> str:
+    """Each round's CPU and time to the last step, with the ratios measured within the round."""
+    rows = [
+        "| round | TRL CPU-s | baseline CPU-s | this tree CPU-s | ÷ baseline | ÷ TRL | to last step (s): TRL / baseline / this |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for i, run in enumerate(sides["opd"]):
+        trl = sides["trl"][i] if i < len(sides["trl"]) else None
+        base = sides["baseline"][i] if i < len(sides["baseline"]) else None
+
+        def cell(r: dict | None, key: str = "cpu_s") -> str:
+            return f"{r[key]:.1f}" if r else ""
+
+        times = " / ".join(cell(r, "time_to_last_step_s") or "–" for r in (trl, base, run))
+        vs_base = f"{run['cpu_s'] / base['cpu_s']:.2f}×" if base else ""
+        vs_trl = f"{run['cpu_s'] / trl['cpu_s']:.2f}×" if trl else ""
+        rows.append(f"| {i} | {cell(trl)} | {cell(base)} | {cell(run)} | {vs_base} | {vs_trl} | {times} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps × 64 samples (bench_trl's 400)")
@@ -163,6 +197,8 @@ def main() -> None:
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="opd config, as `opd run --set`"
     )
+    parser.add_argument("--baseline-tree", type=Path, help="another source tree: its `opd run` beside this one's")
+    parser.add_argument("--repeats", type=int, default=1, help="alternating rounds (TRL, baseline, this tree)")
     parser.add_argument("--out", type=Path, help="folder for the runs (default: a temp folder, removed)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -174,7 +210,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     timeout = 120 + args.steps * 6.0
     torch.set_num_threads(1)
-    cfg = demo_config(out / "opd", args.seed, [f"train.max_steps={args.steps}", "run.evaluate=false", *args.set])
+
+    def config_for(folder: Path):  # each run on a store of its own
+        return demo_config(folder, args.seed, [f"train.max_steps={args.steps}", "run.evaluate=false", *args.set])
+
+    cfg = config_for(out / "opd")
 
     # imports first, alternating the processes round by round so that drift in the load spreads over all
     samples: dict[str, list[float]] = {name: [] for name in [*OPD_IMPORTS, *(["trl"] if args.trl_python else [])]}
@@ -186,20 +226,41 @@ def main() -> None:
     imports = {name: statistics.median(values) for name, values in samples.items()}
     print("import CPU-s (median of fresh interpreters):", {k: round(v, 2) for k, v in imports.items()}, flush=True)
 
-    trl = None
+    prompts_file = out / "trl-prompts.json"
     if args.trl_python:
-        (out / "trl").mkdir(parents=True, exist_ok=True)
-        prompts_file = out / "trl-prompts.json"
         prompts_file.write_text(json.dumps(trl_prompt_rows(cfg, args.steps, load_tokenizer(cfg.rollout.student))))
-        spec = trl_spec(cfg, args.steps, out / "trl", prompts_file, threads=1)
-        trl = run_trl(out / "trl", spec, args.trl_python, timeout)
-        print(f"[trl] {trl['wall_s']:.0f} s, {trl['cpu_s']:.1f} CPU-s, load {trl['load_avg']:.1f}", flush=True)
-    shutil.rmtree(out / "opd", ignore_errors=True)
-    opd = run_opd(cfg, out / "opd", timeout)
-    print(f"[opd] {opd['wall_s']:.0f} s, {opd['cpu_s']:.1f} CPU-s, load {opd['load_avg']:.1f}", flush=True)
+    sides = {"trl": [], "baseline": [], "opd": []}
+    for round_ in range(args.repeats):
+        if args.trl_python:
+            folder = out / f"trl-{round_}"
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            spec = trl_spec(cfg, args.steps, folder, prompts_file, threads=1)
+            sides["trl"].append(run_trl(folder, spec, args.trl_python, timeout))
+        for side, tree in (("baseline", args.baseline_tree), ("opd", ROOT)):
+            if tree is None:
+                continue
+            folder = out / f"{side}-{round_}"
+            shutil.rmtree(folder, ignore_errors=True)
+            sides[side].append(run_opd(config_for(folder), folder, timeout, tree=tree.resolve()))
+        for side, runs in sides.items():
+            if len(runs) > round_:
+                r = runs[round_]
+                print(
+                    f"[{side} {round_}] {r['wall_s']:.0f} s, {r['cpu_s']:.1f} CPU-s, load {r['load_avg']:.1f}",
+                    flush=True,
+                )
 
-    print(f"\n## opd's CPU by process ({args.steps} steps × {cfg.train.global_batch_samples} samples)\n")
-    print(table(opd, imports, trl))
+    trl = median_run(sides["trl"]) if sides["trl"] else None
+    for side, title in (("baseline", f"the baseline tree ({args.baseline_tree})"), ("opd", "this tree")):
+        if sides[side]:
+            print(
+                f"\n## opd's CPU by process, {title} ({args.steps} steps × {cfg.train.global_batch_samples} samples)\n"
+            )
+            print(table(median_run(sides[side]), imports, trl))
+    print("\n## Each round\n")
+    print(rounds_table(sides))
+    opd = median_run(sides["opd"])
     doc = {
         "steps": args.steps,
         "machine": platform.platform(),
@@ -209,6 +270,8 @@ def main() -> None:
         "import_samples_cpu_s": samples,
         "opd": opd,
         "trl": None if trl is None else {k: trl[k] for k in ("wall_s", "cpu_s", "load_avg", "time_to_last_step_s")},
+        "baseline_tree": str(args.baseline_tree) if args.baseline_tree else None,
+        "rounds": sides,
         "opd_sets": args.set,
     }
     write_results(args.results, doc)

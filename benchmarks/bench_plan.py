@@ -43,10 +43,10 @@ WALL_TOLERANCE = 0.15  # relative
 SHARE_TOLERANCE = 0.03  # absolute
 
 
-def compare(store_uri: str, config: Path | None, pacing: str, seeds: int) -> dict:
+def compare(store_uri: str, config: Path | None, pacing: str, seeds: int, cores: float | None = None) -> dict:
     cfg = load_config(config)
     one = Service(per_row=1.0)
-    calibration = calibrate(read_metrics(Store(store_uri)), spec_from_config(cfg, one, one, one))
+    calibration = calibrate(read_metrics(Store(store_uri)), spec_from_config(cfg, one, one, one), cores=cores)
     t0 = time.process_time()
     runs = [simulate(replace(calibration.spec, seed=seed), pacing) for seed in range(seeds)]
     cpu = time.process_time() - t0
@@ -126,12 +126,15 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=None, help="its configuration (default: logs/config.yaml)")
     parser.add_argument("--pacing", choices=("count", "schedule"), default="count", help="how the measured run paced")
     parser.add_argument("--seeds", type=int, default=10, help="simulated runs averaged")
+    parser.add_argument(
+        "--cores", type=float, default=None, help="the run's stages shared this many cores (opd plan --cores)"
+    )
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     config = args.config or run_config_of_store(args.store)
     if config is None:
         sys.exit(f"--config: no logs/config.yaml beside {args.store}; give the run's configuration")
-    result = compare(args.store, config, args.pacing, args.seeds)
+    result = compare(args.store, config, args.pacing, args.seeds, args.cores)
     print(f"opd plan vs {args.store} ({args.pacing} pacing, {args.seeds} simulated runs, load {result['load_avg']})")
     print(result["table"])
     print(f"\nsimulation: {result['simulation_cpu_s']:.1f} CPU-s for {args.seeds} runs")

@@ -107,6 +107,51 @@ def test_plan_from_a_real_store_reads_each_stages_metrics(finished_store):
     assert calibration.samples_per_prompt == 4 and calibration.shard_rows == 8
 
 
+def test_shared_cores_are_modelled_from_each_stages_cpu_per_row(finished_store):
+    """Every unit record carries the CPU its process took for it (cpu_s); with --cores the model's service
+    times are those, shared among the stages computing at once, instead of wall times with a core each."""
+    store, config = finished_store
+    measured = read_metrics(store)
+    shards = [r for r in measured["rollout-w00"] if "shard" in r]
+    annotated = [r for r in measured["annotate-teacher-0"] if r.get("event") == "annotated"]
+    train = measured["train-0"]
+    for record in (*shards, *annotated, *train):
+        assert record["cpu_s"] > 0, record  # a real lap of the process's CPU: each unit computed something
+
+    calibration = calibrate(measured, calibrate_base(config), cores=2)
+    assert calibration.spec.cores == 2
+    assert calibration.spec.train.per_row == pytest.approx(sum(r["cpu_s"] / r["samples"] for r in train[1:]) / 3)
+    assert calibration.spec.annotate.per_row == pytest.approx(
+        sum(r["cpu_s"] / r["rows"] for r in annotated[1:]) / (len(annotated) - 1)
+    )
+    assert any("2 cores shared" in note for note in calibration.notes)
+    assert calibrate(measured, calibrate_base(config)).spec.cores is None  # without: a core per stage, wall times
+
+    result = opd("--from-store", store.uri, "--config", config, "--cores", "2", "--no-suggest", "--seeds", 1)
+    assert result.exit_code == 0, result.output
+    assert "2 cores shared" in result.stdout
+
+
+def test_shared_cores_need_the_cpu_of_every_stage(local_store):
+    """A store of an older release has no cpu_s: --cores says so instead of modelling wall times as CPU."""
+    local_store.manifest.ensure(student="student", tokenizer_fingerprint="fp-test")
+    shard = {"shard": "v000000-w00-000000", "rows": 8, "tokens": 80, "tokens_per_s": 800.0}
+    second = {**shard, "shard": "v000000-w00-000001", "tokens_per_s": 800.0}
+    write_records(
+        local_store,
+        "rollout",
+        "w00",
+        [{**shard, "cursor": 2, "total_samples": 8}, {**second, "cursor": 4, "total_samples": 16}],
+    )
+    part = {"event": "annotated", "rows": 8, "seconds": 0.1, "tokens": 80}
+    write_records(local_store, "annotate", "teacher-0", [part, part])
+    step = {"samples": 8, "step_time_s": 0.2, "data_wait_s": 0.0, "policy_version": 0, "staleness": {"0": 8}}
+    write_records(local_store, "train", "0", [{**step, "step": 1}, {**step, "step": 2}])
+    calibrate(read_metrics(local_store), calibrate_base(None))  # wall times: fine
+    with pytest.raises(MissingMetricsError, match=r"the rollout, annotate, train records have no cpu_s"):
+        calibrate(read_metrics(local_store), calibrate_base(None), cores=2)
+
+
 def calibrate_base(config):
     from opd_cache.cli.plan import spec_from_config
     from opd_cache.config import load_config

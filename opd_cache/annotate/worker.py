@@ -427,6 +427,7 @@ class Annotator:
                 "seconds": round(seconds, 4),
                 "tokens_per_s": round(scores.num_tokens / max(seconds, 1e-9), 1),
                 "backlog": backlog,
+                "cpu_s": self.metrics.cpu_lap(),
                 **({"alignment": targets.stats.summary()} if targets is not None else {}),
             }
         )

@@ -181,7 +181,13 @@ def plan_command(
     batch_samples: int | None = typer.Option(None, "--batch-samples", min=1, help="Samples per step."),
     rollout_workers: int | None = typer.Option(None, "--rollout-workers", min=1),
     annotate_workers: int | None = typer.Option(None, "--annotate-workers", min=1),
-    cores: float | None = typer.Option(None, "--cores", min=0.1, help="CPU cores the stages share (else one each)."),
+    cores: float | None = typer.Option(
+        None,
+        "--cores",
+        min=0.1,
+        help="CPU cores the stages share (else one each); with --from-store, each stage's measured CPU per row "
+        "is what shares them.",
+    ),
     seeds: int = typer.Option(3, "--seeds", min=1, help="Simulated runs averaged per prediction."),
     suggest_settings: bool = typer.Option(True, "--suggest/--no-suggest", help="Search for better settings."),
     gpus: str | None = typer.Option(None, "--gpus", help="Trainer GPU counts for the GPU table, e.g. 1,8,64."),
@@ -210,7 +216,7 @@ def plan_command(
     cfg = load_config(config, sets=sets)
     measured = {}
     if from_store is not None:
-        calibration = _calibrate(from_store, cfg, configured=config is not None)
+        calibration = _calibrate(from_store, cfg, configured=config is not None, cores=cores)
         measured = {s: getattr(calibration.spec, s) for s in ("rollout", "annotate", "train")}
         if tokens["response"] is None:
             tokens["response"] = round(calibration.tokens_per_row) or None
@@ -270,7 +276,7 @@ def _gpu_counts(gpus: str | None) -> list[int]:
     return counts
 
 
-def _calibrate(store_uri: str, cfg, configured: bool):
+def _calibrate(store_uri: str, cfg, configured: bool, cores: float | None = None):
     """The store's measurements; without a run configuration, n and flush_rows are read from the shards too."""
     from opd_cache.flow.calibrate import calibrate
     from opd_cache.flow.simulate import Service
@@ -281,7 +287,7 @@ def _calibrate(store_uri: str, cfg, configured: bool):
     store.manifest.require()
     placeholder = Service(per_row=1.0)
     base = spec_from_config(cfg, placeholder, placeholder, placeholder)
-    calibration = calibrate(read_metrics(store), base, where=f"--from-store {store_uri}")
+    calibration = calibrate(read_metrics(store), base, where=f"--from-store {store_uri}", cores=cores)
     if configured:
         return calibration
     n = calibration.samples_per_prompt or base.n

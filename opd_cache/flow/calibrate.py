@@ -6,6 +6,7 @@ The stages log one record per unit of work (observe/metrics.py), which is all th
   tokens over its seconds inside generate(), cumulative), so each shard's generate seconds are the differences of
   tokens / tokens_per_s; `reload` events after each policy load;
 - annotate, `metrics/annotate-<worker>.jsonl`: per shard `rows` and `seconds` (read, score, write);
+- each of these unit records also has `cpu_s`, the process's CPU since its previous one (`--cores`);
 - train, `metrics/train-0.jsonl`: per step `step_time_s` (compute), `data_wait_s` (waiting for the next batch),
   the record's `time` (so what the step spent after its compute: ledger, publication, progress, state saves),
   `samples`, `policy_version`, `staleness` and `expired_total`.
@@ -88,8 +89,24 @@ def check_metrics(metrics: dict[str, list[dict]], where: str = "the store") -> N
         raise MissingMetricsError(f"{where} has no metrics of {'; '.join(missing)}: run the pipeline on it first")
 
 
-def calibrate(metrics: dict[str, list[dict]], base: PipelineSpec, where: str = "the store") -> Calibration:
-    """The model's inputs measured from `metrics` (`read_metrics(store)`); the rest from `base` (the config)."""
+def _cpu_per_row(records: list[dict], rows_key: str = "rows") -> list[float] | None:
+    """Each unit's CPU seconds per row (`cpu_s`, observe/metrics.py's lap), None when the records lack it (a run
+    of an older release); the first unit is left out (it carries the stage's start-up)."""
+    if not records or any("cpu_s" not in r for r in records):
+        return None
+    values = [r["cpu_s"] / r[rows_key] for r in records if r[rows_key]]
+    return values[1:] or values
+
+
+def calibrate(
+    metrics: dict[str, list[dict]], base: PipelineSpec, where: str = "the store", cores: float | None = None
+) -> Calibration:
+    """The model's inputs measured from `metrics` (`read_metrics(store)`); the rest from `base` (the config).
+
+    `cores`: the run's stages shared that many cores. Each stage's service time is then the CPU it took per unit
+    (its records' `cpu_s`: compute, waiting loops and background threads), and the model shares the cores among
+    the stages that compute at once, as the machine did; without it, each unit's wall time, a core per stage
+    (GPU stages, or a core each)."""
     check_metrics(metrics, where)
     notes = []
 
@@ -154,6 +171,22 @@ def calibrate(metrics: dict[str, list[dict]], base: PipelineSpec, where: str = "
     if not reload_gaps:
         notes.append("no reload records: reload latency from the configuration's default")
 
+    if cores is not None:
+        shards = [r for recs in rollout_workers.values() for r in recs if "shard" in r]
+        cpu = {
+            "rollout": _cpu_per_row(shards),
+            "annotate": _cpu_per_row(annotated),
+            "train": _cpu_per_row(train, rows_key="samples"),
+        }
+        missing = [stage for stage, values in cpu.items() if values is None]
+        if missing:
+            raise MissingMetricsError(
+                f"{where}: the {', '.join(missing)} records have no cpu_s (written by an older release): "
+                "shared cores cannot be modelled from them; leave out --cores"
+            )
+        rollout, annotate, trainer = (_service(cpu[stage]) for stage in ("rollout", "annotate", "train"))
+        notes.append(f"{cores:g} cores shared: each stage's CPU per row (cpu_s), not its wall time")
+
     spec = replace(
         base,
         rollout=rollout,
@@ -168,6 +201,7 @@ def calibrate(metrics: dict[str, list[dict]], base: PipelineSpec, where: str = "
         save_s=save_s,
         reload_latency_s=reload_s,
         startup_s=0.0,
+        cores=cores if cores is not None else base.cores,
     )
 
     trained = sum(r["samples"] for r in train)

@@ -111,6 +111,17 @@ class MetricsLog:
         self._segment: list[str] = []  # the lines of segment `_seq` so far
         self._segment_bytes = 0
         self._last_flush = time.monotonic()
+        self._cpu_mark = time.process_time()
+
+    def cpu_lap(self) -> float:
+        """This process's CPU seconds (every thread) since the previous lap, or since the log was opened.
+
+        A stage puts it in its per-unit record (a rollout shard, an annotated shard, a step) as `cpu_s`: the
+        cores the stage took for that unit, waiting loops and background threads included, which is what
+        `opd plan --from-store` needs to model stages that share cores (flow/calibrate.py)."""
+        now = time.process_time()
+        lap, self._cpu_mark = now - self._cpu_mark, now
+        return round(lap, 4)
 
     def log(self, record: dict, flush: bool = False) -> None:
         self.lines.append(json.dumps({"time": round(time.time(), 3), **record}, default=float))

@@ -337,6 +337,7 @@ class RolloutWorker:
                 "backlog": self.backlog,
                 "tokens_per_s": result.tokens / result.generate_seconds if result.generate_seconds else 0.0,
                 "finish_length_frac": buffer.length_fraction(),
+                "cpu_s": self.metrics.cpu_lap(),
             }
         )
         result.shards.append(shard_id)

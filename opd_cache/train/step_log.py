@@ -86,6 +86,7 @@ class StepLog:
         self.max_steps = config.train.max_steps
 
     def log(self, record: dict, trained_samples: int) -> None:
+        record["cpu_s"] = self.metrics.cpu_lap()  # since the previous step: its loader and publisher threads too
         self.metrics.log(record)
         if self.tracker is not None:  # the same numbers, live
             self.tracker.log(train_metrics(record, trained_samples), record["step"])

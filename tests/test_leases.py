@@ -295,7 +295,13 @@ def test_a_ctrl_c_while_pandas_loads_stops_the_process():
     the KeyboardInterrupt raised meanwhile, so the process went on. opd_cache's storage imports pandas itself, where
     a Ctrl-C propagates."""
     out = subprocess.run(
-        [sys.executable, "-c", INTERRUPTED_WHILE_PANDAS_LOADS], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", INTERRUPTED_WHILE_PANDAS_LOADS],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        # as a stage starts: a suite run as a background job (`cmd &`) has SIGINT ignored, and its children with it
+        preexec_fn=prepare_stage_process,
     )
     assert "still running" not in out.stdout
     assert out.returncode != 0 and "KeyboardInterrupt" in out.stderr, out.stderr[-2000:]

@@ -4,8 +4,8 @@ glibc's malloc returns the top of its heap to the kernel once more than `M_TRIM_
 and serves large requests with fresh mmaps; both thresholds adapt to what the program frees, but a stage
 that allocates and frees the same working set every step (annotate's forward over a shard, the trainer's
 step) keeps crossing them: each step's buffers come back as new pages, and every page costs a fault. On
-bench_trl's workload the annotate stage took 1.5 million faults for 400 shards, 13% of its CPU in the kernel
-(docs/benchmarks.md, "Page faults"). Fixed thresholds large against one step's working set stop that; memory
+bench_trl's workload the annotate stage took 1.5 million faults for 400 shards, 2.9 of its 12.5 CPU-s in the
+kernel (docs/benchmarks.md, "CPU per sample, a shard per version"). Fixed thresholds large against one step's working set stop that; memory
 above them (a model's weights, loaded once) still comes from mmap and goes back when freed.
 
 Called once per process, before the work starts: `opd`'s entry point and the fork server (its stages inherit

@@ -190,7 +190,8 @@ EXAMPLE_STEPS = 800
 @pytest.fixture(scope="module")
 def example_run(tmp_path_factory):
     """examples/arithmetic_xtok_cpu/config.yaml under `opd run` as shipped, 800 steps (~5.5 min at load ~9; strict
-    0.835-0.885 in three runs, but 0.84 and 0.325 in two runs of 600: docs/cross-tokenizer.md, "The demo"):
+    0.835-0.885 in three runs, but 0.84 and 0.325 in two runs of 600; with a version every 2 steps and a shard per
+    version, 0.97 at ~2 min: docs/cross-tokenizer.md, "The demo"):
     rollout, cross-tokenizer annotate, train, evaluation. Returns the store's folder."""
     import subprocess
     import sys

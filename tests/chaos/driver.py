@@ -51,6 +51,7 @@ from tests.conftest import REPO
 from tests.helpers import tiny_run_config, write_config
 
 HOOK_DIR = Path(__file__).resolve().parent / "hook"
+CORRUPT_RETRY_S = 0.25  # a file damage that found nothing to damage is tried again this soon
 
 # Kill points the run must hit at least this many times (the point names are hook/sitecustomize.py's).
 LOCAL_KEY_POINTS = {
@@ -417,9 +418,9 @@ class ChaosDriver:
             self._kill(stage, "random:working" if self._is_up(stage) else "random:starting")
 
     # ------------------------------------------------------------ damaged bytes
-    def _corrupt_random_file(self) -> None:
+    def _corrupt_random_file(self) -> bool:
         """Damage one stored file: an annotated part already trained, or a file of the newest resume state
-        (while another complete state is intact, so that there is one to fall back to).
+        (while another complete state is intact, so that there is one to fall back to); False if none is there.
 
         The damaged copy replaces the file atomically (a new file, as a bad copy or a re-replicated object
         leaves it): a reader that has the old file open keeps the bytes it verified. Rollout shards (their rows
@@ -457,12 +458,12 @@ class ChaosDriver:
         done = {c["rel"] for c in self.report.corrupted}
         candidates = sorted(set(candidates) - done)
         if not candidates:
-            return
+            return False
         rel = self.rng.choice(candidates)
         try:
             data = self.store.read_bytes(rel)
         except FileNotFoundError:
-            return  # quarantined or deleted since the listing
+            return False  # quarantined or deleted since the listing
         how = self.rng.choice(["flip", "truncate"])
         if how == "truncate" or len(data) < 2:
             damaged = data[: self.rng.randrange(0, max(1, len(data)))]
@@ -476,6 +477,7 @@ class ChaosDriver:
         (self.pristine / rel).write_bytes(data)
         self.store.write_bytes(rel, damaged)
         self.report.corrupted.append({"seconds": round(time.monotonic() - self._t0, 2), "rel": rel, "how": how})
+        return True
 
     # ------------------------------------------------------------ LATEST
     def _check_latest(self) -> None:
@@ -513,8 +515,11 @@ class ChaosDriver:
             and len(self.report.corrupted) < self.settings.corruptions
             and not self.store.is_done()
         ):
-            self._corrupt_random_file()
-            self._next_corrupt = now + self.rng.expovariate(1.0 / self.settings.corrupt_interval_s)
+            # nothing to damage yet (no resume state so far): look again shortly, not a whole interval later — a
+            # run of the fast stages can end within a few intervals (seed 1 once finished in 20 s with none)
+            damaged = self._corrupt_random_file()
+            wait = self.rng.expovariate(1.0 / self.settings.corrupt_interval_s) if damaged else CORRUPT_RETRY_S
+            self._next_corrupt = now + wait
 
     # ------------------------------------------------------------ the run
     def run(self) -> ChaosReport:

@@ -66,6 +66,58 @@ def test_processes_share_cores_and_wake_on_signals_in_simulated_time():
     assert sim.cpu.busy_seconds == pytest.approx(3.0)
 
 
+def test_a_job_that_keeps_cores_runs_at_their_speed_while_the_others_share_the_rest():
+    sim = Simulation(cores=2)
+    finished = {}
+
+    def job(name, seconds, kept_cores=0.0):
+        yield Work(seconds, kept_cores=kept_cores)
+        finished[name] = sim.now
+
+    sim.spawn(job("trainer", 2.0, kept_cores=1.0))
+    sim.spawn(job("rollout", 1.0))
+    sim.spawn(job("annotate", 3.0))
+    sim.run()
+    # the trainer alone on a core (2 s); rollout and annotate at half a core each until rollout is done at t=2,
+    # then annotate alone: 3 - 1 = 2 more core-seconds on a free core
+    assert finished == {"trainer": pytest.approx(2.0), "rollout": pytest.approx(2.0), "annotate": pytest.approx(4.0)}
+    assert sim.cpu.busy_seconds == pytest.approx(6.0)
+
+    # a trainer whose threads keep 1.5 cores: 3 core-seconds in 2 s, beside a job on the half core left
+    sim = Simulation(cores=2)
+    finished.clear()
+    sim.spawn(job("trainer", 3.0, kept_cores=1.5))
+    sim.spawn(job("rollout", 1.0))
+    sim.run()
+    assert finished == {"trainer": pytest.approx(2.0), "rollout": pytest.approx(2.0)}
+
+    # one core: nothing is left to share, so the keeper is shared like any job
+    sim = Simulation(cores=1)
+    finished.clear()
+    sim.spawn(job("trainer", 1.0, kept_cores=1.0))
+    sim.spawn(job("rollout", 1.0))
+    sim.run()
+    assert finished == {"trainer": pytest.approx(2.0), "rollout": pytest.approx(2.0)}
+
+
+def test_on_two_shared_cores_the_trainer_waits_when_the_producers_need_more_than_the_core_left():
+    # per step: trainer 0.16 s, rollout + annotate 0.08 + 0.12 = 0.20 s of CPU. With a core each nobody waits long;
+    # on 2 cores the trainer keeps one and the producers share the other: 0.16 s of their work fits beside a step,
+    # the other 0.04 s runs while the trainer waits (on both cores, but the pipeline's shards come one after the
+    # other, so it takes ~0.04 s): busy ~0.16 / 0.20
+    spec = replace(
+        BASE,
+        rollout=Service(per_row=0.005),
+        annotate=Service(per_row=0.0075),
+        train=Service(per_row=0.01),
+        bells=True,
+    )
+    separate, shared = simulate(spec, "schedule"), simulate(replace(spec, cores=2), "schedule")
+    assert separate.busy_share > 0.97
+    assert shared.busy_share == pytest.approx(0.80, abs=0.03)
+    assert shared.expired == 0 and separate.expired == 0
+
+
 def test_a_simulation_is_deterministic_and_cheap():
     spec = replace(BASE, steps=2000)
     t0 = time.process_time()

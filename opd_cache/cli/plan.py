@@ -185,8 +185,9 @@ def plan_command(
         None,
         "--cores",
         min=0.1,
-        help="CPU cores the stages share (else one each); with --from-store, each stage's measured CPU per row "
-        "is what shares them.",
+        help="CPU cores the stages share (else one each): the computing trainer keeps its cores (one; with "
+        "--from-store, its measured CPU over its compute time) and the producers share the rest; with --from-store, "
+        "each stage's measured CPU per row is what shares them.",
     ),
     seeds: int = typer.Option(3, "--seeds", min=1, help="Simulated runs averaged per prediction."),
     suggest_settings: bool = typer.Option(True, "--suggest/--no-suggest", help="Search for better settings."),

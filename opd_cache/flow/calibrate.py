@@ -185,7 +185,15 @@ def calibrate(
                 "shared cores cannot be modelled from them; leave out --cores"
             )
         rollout, annotate, trainer = (_service(cpu[stage]) for stage in ("rollout", "annotate", "train"))
-        notes.append(f"{cores:g} cores shared: each stage's CPU per row (cpu_s), not its wall time")
+        # the trainer's step kept this many cores (its main thread, and its loader and publisher beside it): its
+        # CPU over its compute time; the producers computed on what was left
+        train_kept_cores = min(cores, sum(r["cpu_s"] for r in train) / max(sum(r["step_time_s"] for r in train), 1e-9))
+        notes.append(
+            f"{cores:g} cores shared: each stage's CPU per row (cpu_s), not its wall time; the trainer's step kept "
+            f"{train_kept_cores:.2f} of them"
+        )
+    else:
+        train_kept_cores = base.train_kept_cores
 
     spec = replace(
         base,
@@ -202,6 +210,7 @@ def calibrate(
         reload_latency_s=reload_s,
         startup_s=0.0,
         cores=cores if cores is not None else base.cores,
+        train_kept_cores=train_kept_cores,
     )
 
     trained = sum(r["samples"] for r in train)

@@ -397,7 +397,7 @@ class PipelineModel:
             self.last_wait = self.sim.now - asked
             self.wait_s += self.last_wait
             compute = spec.train.draw(spec.batch_samples, self.rng)
-            yield Work(compute)
+            yield Work(compute, kept_cores=spec.train_kept_cores)  # measured: docs/flow-control.md
             self.compute_s += compute
             self.staleness_sum += batch["staleness"]
             overhead = spec.train_overhead_s

@@ -62,6 +62,7 @@ class PipelineSpec:
     bells: bool = False  # a local store: a waiting stage wakes at the write it waits on (storage/bells.py)
     startup_s: float = 0.0  # launch -> every stage ready (added to the wall time)
     cores: float | None = None  # None: one core per process; else the processes share this many cores
+    train_kept_cores: float = 1.0  # with cores: what the computing trainer keeps (its CPU over its compute time)
     announce_in_flight: bool = True  # schedule pacing: workers see each other's unpublished rows
     seed: int = 0
 

@@ -253,7 +253,9 @@ def evaluate_store(
                     + (f", KL {result.kl:.4f}" if result.kl is not None else "")
                     + f" on {result.num_prompts} prompts ({time.monotonic() - tic:.1f} s)"
                 )
-            record = {"version": version, **asdict(result)}
+            # cpu_s: the evaluator's CPU since its previous record, which `opd plan --from-store --cores` models
+            record = {"version": version, **asdict(result), "seconds": round(time.monotonic() - tic, 3)}
+            record["cpu_s"] = log.cpu_lap()
             log.log(record, flush=True)
             if tracker is not None:
                 tracker.log(eval_metrics(record), step=version)

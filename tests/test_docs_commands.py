@@ -48,6 +48,7 @@ SKIPPED: dict[str, str] = {
     r"bench_stage_cpu\.py": "a 400-step benchmark with TRL's run as its baseline (docs/benchmarks.md); "
     "tests/test_bench_stage_cpu.py checks its measurement shim",
     r"bench_wakeups\.py": "a 400-step A/B against another source tree, 4 runs (docs/benchmarks.md)",
+    r"bench_kl_tail\.py": "evaluates the two students a bench_trl run left in its --out folder (docs/benchmarks.md)",
     r"\bPATH\b|\bFILE\b": "a synopsis with placeholders",
     r"^opd demo|^\S+=\S+ opd demo": "the demo: its store is the stage commands' store here; the slow test runs it",
     r"^ray (start|job)": "starts or joins a Ray cluster (on a shared machine it would outlive the test)",

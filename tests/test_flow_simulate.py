@@ -118,6 +118,15 @@ def test_on_two_shared_cores_the_trainer_waits_when_the_producers_need_more_than
     assert shared.expired == 0 and separate.expired == 0
 
 
+def test_an_evaluator_slows_the_pipeline_only_when_it_shares_the_cores():
+    spec = replace(BASE, bells=True)
+    evaluated = replace(spec, eval_every=1, eval_s=0.1)  # 0.1 s of CPU per version: ~half a step each
+    assert simulate(evaluated, "schedule").wall_s == pytest.approx(simulate(spec, "schedule").wall_s)  # own core
+    alone, beside = simulate(replace(spec, cores=2), "schedule"), simulate(replace(evaluated, cores=2), "schedule")
+    assert beside.wall_s > alone.wall_s * 1.05
+    assert beside.trained == alone.trained and beside.expired == 0
+
+
 def test_a_simulation_is_deterministic_and_cheap():
     spec = replace(BASE, steps=2000)
     t0 = time.process_time()

@@ -132,6 +132,28 @@ def test_shared_cores_are_modelled_from_each_stages_cpu_per_row(finished_store):
     assert "2 cores shared" in result.stdout
 
 
+def test_the_evaluator_of_opd_run_is_modelled_from_its_records(finished_store):
+    """opd run's evaluator takes CPU from the stages: every eval_every-th version, the CPU (with --cores) or the
+    seconds its records measured; the first evaluation, which carries its start-up, is left out."""
+    store, config = finished_store
+    measured = dict(read_metrics(store))
+    measured["eval-0"] = [
+        {"version": 0, "seconds": 5.0, "cpu_s": 6.0},
+        {"version": 25, "seconds": 0.5, "cpu_s": 0.6},
+        {"version": 50, "seconds": 0.7, "cpu_s": 0.8},
+        {"version": 75, "seconds": 0.6, "cpu_s": 0.7},
+    ]
+    shared = calibrate(measured, calibrate_base(config), cores=2).spec
+    assert (shared.eval_every, shared.eval_s) == (25, pytest.approx(0.7))
+    assert calibrate(measured, calibrate_base(config)).spec.eval_s == pytest.approx(0.6)
+    assert calibrate(read_metrics(store), calibrate_base(config), cores=2).spec.eval_every == 0  # no evaluator
+
+    measured["eval-0"] = [{"version": v} for v in (0, 25, 50)]  # an older release: not modelled, and said so
+    older = calibrate(measured, calibrate_base(config), cores=2)
+    assert older.spec.eval_every == 0
+    assert any("the evaluator is not modelled" in note for note in older.notes)
+
+
 def test_shared_cores_need_the_cpu_of_every_stage(local_store):
     """A store of an older release has no cpu_s: --cores says so instead of modelling wall times as CPU."""
     local_store.manifest.ensure(student="student", tokenizer_fingerprint="fp-test")

@@ -107,8 +107,10 @@ def assert_tiny_run_finished(store: Store) -> None:
     # every trained row was annotated by the teacher
     assert {sid.rsplit("-", 1)[0] for sid in trained} <= {s for s, teachers in parts.items() if "teacher" in teachers}
     # the evaluator scored version 0 and the published versions
-    versions = sorted(r["version"] for r in read_metrics(store, "eval")["eval-0"])
-    assert versions == [0, 1, 2]
+    evaluations = read_metrics(store, "eval")["eval-0"]
+    assert sorted(r["version"] for r in evaluations) == [0, 1, 2]
+    # each evaluation's seconds and the evaluator's CPU for it: what `opd plan --from-store --cores` models
+    assert all(r["seconds"] > 0 and r["cpu_s"] > 0 for r in evaluations), evaluations
 
 
 def test_run_completes_and_store_holds_shards_versions_and_ledger(async_run):

@@ -195,6 +195,21 @@ def calibrate(
     else:
         train_kept_cores = base.train_kept_cores
 
+    # opd run's evaluator: every eval_every-th version, an evaluation of the CPU (or seconds) it measured; the
+    # first carries the evaluator's start-up and is left out
+    evaluations = sorted((r for recs in _records(metrics, "eval").values() for r in recs), key=lambda r: r["version"])
+    key = "cpu_s" if cores is not None else "seconds"
+    timed = [r[key] for r in evaluations[1:] if key in r]
+    steps_between = [b["version"] - a["version"] for a, b in zip(evaluations, evaluations[1:])]
+    eval_every, eval_s = base.eval_every, base.eval_s
+    if timed and steps_between:
+        eval_every, eval_s = max(1, round(statistics.median(steps_between))), statistics.fmean(timed)
+        notes.append(f"an evaluator every {eval_every} versions, {eval_s:.2f} s ({key}) each")
+    elif evaluations:
+        notes.append(
+            "evaluator records without their CPU and seconds (an older release): the evaluator is not modelled"
+        )
+
     spec = replace(
         base,
         rollout=rollout,
@@ -211,6 +226,8 @@ def calibrate(
         startup_s=0.0,
         cores=cores if cores is not None else base.cores,
         train_kept_cores=train_kept_cores,
+        eval_every=eval_every,
+        eval_s=eval_s,
     )
 
     trained = sum(r["samples"] for r in train)

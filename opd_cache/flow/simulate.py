@@ -423,9 +423,24 @@ class PipelineModel:
         self.store.latest = max(self.store.latest, version)
         self.rang("policy")
 
+    # ------------------------------------------------------------ opd run's evaluator
+    def evaluator(self):
+        """Version 0, then every `eval_every`-th version once published, each in turn (evaluate_store): it only
+        takes CPU from the stages, which matters when they share cores."""
+        spec, store = self.spec, self.store
+        version = 0
+        while not store.done:
+            if store.latest < version:
+                yield self.wait(spec.train_poll_s, "policy", "train")
+                continue
+            yield Work(spec.eval_s)
+            version += spec.eval_every
+
     # ------------------------------------------------------------ the run
     def run(self, horizon_s: float | None = None) -> SimResult:
         spec = self.spec
+        if spec.eval_every and spec.eval_s > 0:
+            self.sim.spawn(self.evaluator())
         for worker in range(spec.rollout_workers):
             self.sim.spawn(self.rollout_worker(worker))
         for worker in range(spec.annotate_workers):

@@ -63,6 +63,8 @@ class PipelineSpec:
     startup_s: float = 0.0  # launch -> every stage ready (added to the wall time)
     cores: float | None = None  # None: one core per process; else the processes share this many cores
     train_kept_cores: float = 1.0  # with cores: what the computing trainer keeps (its CPU over its compute time)
+    eval_every: int = 0  # an evaluator (opd run's) scores every eval_every-th version; 0: none
+    eval_s: float = 0.0  # one evaluation's CPU seconds (with cores) or wall seconds
     announce_in_flight: bool = True  # schedule pacing: workers see each other's unpublished rows
     seed: int = 0
 

@@ -23,6 +23,10 @@ counters; the optimizer takes batches from a queue of `prefetch_batches`, comput
 `publish_every` steps (visible after `publish_latency_s`; at most one write in flight), writes progress, and
 saves a state every `save_every` steps.
 
+With `eval_every`, opd run's evaluator runs beside them (version 0, then every eval_every-th version, `eval_s`
+each): it only takes CPU, so it matters when the processes share `cores`; the trainer's step then keeps
+`train_kept_cores` of them (flow/events.py).
+
 Service times are `Service`s: fixed + per-row seconds, times a gamma factor (mean 1, coefficient of variation
 `cv`). Outputs (`SimResult`): wall time, the trainer's busy share Σ compute / Σ (compute + waiting for data),
 samples generated, scored, trained and expired, the mean staleness of trained rows, and how long the last step

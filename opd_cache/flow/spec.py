@@ -81,6 +81,10 @@ class PipelineSpec:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be > 0")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness = {self.max_staleness}: must be >= 0")
+        if self.train_kept_cores <= 0:
+            raise ValueError(f"train_kept_cores = {self.train_kept_cores}: must be > 0")
+        if self.eval_every < 0 or self.eval_s < 0:
+            raise ValueError(f"eval_every = {self.eval_every}, eval_s = {self.eval_s}: must be >= 0")
         for stage in ("rollout", "annotate", "train"):
             service = getattr(self, stage)
             if service.per_row < 0 or service.fixed < 0 or service.mean(1) <= 0:

@@ -290,6 +290,31 @@ def test_follow_flushes_on_stop_and_ends_at_the_done_marker(tiny_model_factory, 
     assert again.samples == 0 and len(local_store.shards.rollouts()) == 1
 
 
+def test_a_following_worker_samples_nothing_when_done_appears_after_its_last_look(
+    tiny_model_factory, local_store, tmp_path
+):
+    """The race behind a tiny run's one extra shard (CI, session 9): `finished()` looked before the trainer wrote
+    DONE, the pacing's poll right after saw DONE, which drops the schedule, and pacing by count then sampled a
+    batch no step would train. A following worker now waits on DONE, and the loop ends at its next look."""
+    from opd_cache.rollout.worker import RolloutWorker
+
+    student = tiny_model_factory("student")
+    prompts = write_prompts(tmp_path / "p.jsonl", questions(6))
+    cfg = config(student, prompts, follow=True, batch_prompts=2, flush_rows=4)
+    worker = RolloutWorker(cfg, local_store)
+    local_store.mark_done()  # written by the trainer just after the worker's look
+    looks, real_finished = [], worker.finished
+
+    def finished() -> bool:  # the first look misses DONE
+        looks.append(None)
+        return len(looks) > 1 and real_finished()
+
+    worker.finished = finished
+    result = worker.run()
+    assert len(looks) >= 2  # it looked again after the missed one
+    assert result.samples == 0 and local_store.shards.rollouts() == []
+
+
 # ---------------------------------------------------------------- the CLI, SIGKILL and resume
 def rollout_args(store, student, prompts, *extra) -> list[str]:
     return [

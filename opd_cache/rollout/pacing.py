@@ -91,12 +91,13 @@ class BacklogGauge:
         self.demand: int | None = None  # samples the trainer's remaining steps still lack (None: unknown)
         # a trainer has written train/progress.json and is not DONE: someone consumes the backlog
         self.trainer_running = False
+        self.trainer_done = False  # train/DONE was there at the last poll
         self.schedule: TrainSchedule | None = None  # the trainer's (None: pace by count, as before #25)
 
     def backlog(self) -> int:
         progress = self.store.read_progress()  # before the listing: no row consumed that the listing misses
         done = self.store.is_done()
-        self.trainer_running = bool(progress) and not done
+        self.trainer_running, self.trainer_done = bool(progress) and not done, done
         # once the trainer is DONE its schedule is over: rows sampled then are for a later run, paced as before
         self.schedule = None if done else schedule_in(progress, self.store)
         # the claims before the listing too: a shard published in between is counted (claimed, listed or both)

@@ -358,6 +358,11 @@ class RolloutWorker:
         """Too far ahead of the trainer: the trainer's schedule admits no prompt at this version (#25), or
         without a schedule the backlog is over the buffer or covers the demand; or the policy is too stale."""
         self.backlog = self.backlog_gauge.backlog()
+        if self.cfg.follow and self.backlog_gauge.trainer_done:
+            # DONE appeared since finished() looked: with it the schedule is gone, and pacing by count would
+            # sample a batch no step will train (a tiny run's last shard, at its final version); the loop ends at
+            # its next check
+            return True
         too_stale = is_too_stale(self.version, self.store.latest_version(), self.max_staleness)
         self.admitted = self.backlog_gauge.prompts_allowed(
             self.version, len(self.buffer), self.cfg.n, self.cfg.max_buffer_samples

@@ -66,37 +66,33 @@ def test_processes_share_cores_and_wake_on_signals_in_simulated_time():
     assert sim.cpu.busy_seconds == pytest.approx(3.0)
 
 
-def test_a_job_that_keeps_cores_runs_at_their_speed_while_the_others_share_the_rest():
-    sim = Simulation(cores=2)
-    finished = {}
+def run_jobs(cores: float, *jobs: tuple[str, float, float]) -> tuple[dict[str, float], Simulation]:
+    """Start every (name, core-seconds, kept cores) job at t=0 on `cores`; when each finished."""
+    sim, finished = Simulation(cores=cores), {}
 
-    def job(name, seconds, kept_cores=0.0):
+    def job(name, seconds, kept_cores):
         yield Work(seconds, kept_cores=kept_cores)
         finished[name] = sim.now
 
-    sim.spawn(job("trainer", 2.0, kept_cores=1.0))
-    sim.spawn(job("rollout", 1.0))
-    sim.spawn(job("annotate", 3.0))
+    for spec in jobs:
+        sim.spawn(job(*spec))
     sim.run()
+    return finished, sim
+
+
+def test_a_job_that_keeps_cores_runs_at_their_speed_while_the_others_share_the_rest():
+    finished, sim = run_jobs(2, ("trainer", 2.0, 1.0), ("rollout", 1.0, 0.0), ("annotate", 3.0, 0.0))
     # the trainer alone on a core (2 s); rollout and annotate at half a core each until rollout is done at t=2,
     # then annotate alone: 3 - 1 = 2 more core-seconds on a free core
     assert finished == {"trainer": pytest.approx(2.0), "rollout": pytest.approx(2.0), "annotate": pytest.approx(4.0)}
     assert sim.cpu.busy_seconds == pytest.approx(6.0)
 
     # a trainer whose threads keep 1.5 cores: 3 core-seconds in 2 s, beside a job on the half core left
-    sim = Simulation(cores=2)
-    finished.clear()
-    sim.spawn(job("trainer", 3.0, kept_cores=1.5))
-    sim.spawn(job("rollout", 1.0))
-    sim.run()
+    finished, _ = run_jobs(2, ("trainer", 3.0, 1.5), ("rollout", 1.0, 0.0))
     assert finished == {"trainer": pytest.approx(2.0), "rollout": pytest.approx(2.0)}
 
     # one core: nothing is left to share, so the keeper is shared like any job
-    sim = Simulation(cores=1)
-    finished.clear()
-    sim.spawn(job("trainer", 1.0, kept_cores=1.0))
-    sim.spawn(job("rollout", 1.0))
-    sim.run()
+    finished, _ = run_jobs(1, ("trainer", 1.0, 1.0), ("rollout", 1.0, 0.0))
     assert finished == {"trainer": pytest.approx(2.0), "rollout": pytest.approx(2.0)}
 
 

@@ -272,6 +272,25 @@ def test_follow_annotates_new_shards_until_done(store, teacher_path):
     assert sorted(annotator.stats.annotated) == ["v000000-w00-000000", late]
 
 
+def test_a_following_annotator_scores_nothing_when_done_appears_as_it_reads_the_schedule(
+    store, teacher_path, monkeypatch
+):
+    """The trainer writes train/DONE just as annotate reads its schedule, between two pending shards (a race at the
+    end of a run, #25): DONE drops the schedule, and the second shard must not then be scored for no step."""
+    first, _second = write_shards(store, 2, num_rows=2)
+    annotator = Annotator(config(teacher_path, top_k=4, follow=True, poll_seconds=30), store, progress=False)
+    read_schedule = annotator.selection.read_schedule
+
+    def read_schedule_as_the_trainer_finishes():
+        if store.shards.annotated_parts():  # the first part is out: the last step trains it and DONE is written
+            store.mark_done()
+        return read_schedule()
+
+    monkeypatch.setattr(annotator.selection, "read_schedule", read_schedule_as_the_trainer_finishes)
+    stats = annotator.run()
+    assert stats.annotated == [first]
+
+
 def test_stop_ends_a_following_annotator(store, teacher_path):
     """`run_annotate(..., stop=event)`: a following worker returns when the event is set, without train/DONE."""
     write_shards(store, 1, num_rows=2)

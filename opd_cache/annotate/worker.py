@@ -261,21 +261,22 @@ class Annotator:
     def _loop(self, progress: Progress, task) -> None:
         stale_seen: set[str] = set()
         while True:
-            if self._stopped():
-                return
             schedule = self.selection.read_schedule()
+            if self._stopped():  # after the schedule's read: see the loop below
+                return
             pending = [s for s in self.selection.pending() if s.shard_id not in stale_seen]
             pending = self.selection.by_deadline(pending, schedule)  # the shard that expires first, first (#25)
             listed = time.monotonic()
             self._print_progress(backlog=len(pending))
             worked = False
             for i, info in enumerate(pending):
+                if i:
+                    schedule = self.selection.read_schedule()  # the trainer moved on while the last shard scored
+                # after the schedule's read: a DONE between the two looks drops it, and the shard is scored for no step
                 if self._limit_reached() or self._stopped():
                     return
                 backlog = len(pending) - i
                 progress.update(task, total=len(self.stats.annotated) + backlog, backlog=backlog)
-                if i:
-                    schedule = self.selection.read_schedule()  # the trainer moved on while the last shard scored
                 if self.selection.expired(info, schedule):
                     stale_seen.add(info.shard_id)
                     self._skip_expired(info, schedule)

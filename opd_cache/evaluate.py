@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -190,13 +191,25 @@ def resolve_model(model: str, s3_endpoint: str | None = None) -> tuple[str, int 
     return model, None, None
 
 
-def policy_folder(store: Store, version: int) -> Path:
-    """The local folder of published policy `version` (evaluators and the examples' measure scripts load it)."""
+def policy_folder(store: Store, version: int, download_to: Path | None = None) -> Path:
+    """The local folder of published policy `version` (evaluators and the examples' measure scripts load it).
+
+    A remote store's version is downloaded under `download_to` (default: a new temp folder, which outlives the
+    call: the caller loads from it later); a loop over versions uses `checked_out_policy`, which removes each copy.
+    """
     rel = layout.policy_dir(version)
     in_store = store.local_dir(rel)  # a local store: loaded in place
     if in_store is not None:
         return in_store
-    return store.download_dir(rel, Path(tempfile.mkdtemp(prefix="opd-eval-")) / rel)
+    return store.download_dir(rel, (download_to or Path(tempfile.mkdtemp(prefix="opd-eval-"))) / rel)
+
+
+@contextmanager
+def checked_out_policy(store: Store, version: int) -> Iterator[Path]:
+    """`policy_folder` for the block only: a remote store's copy is removed after it (an evaluator following a
+    run on S3 evaluates dozens of versions, and each one's copy used to stay in the temp folder)."""
+    with tempfile.TemporaryDirectory(prefix="opd-eval-") as tmp:
+        yield policy_folder(store, version, download_to=Path(tmp))
 
 
 def evaluate_store(
@@ -240,13 +253,13 @@ def evaluate_store(
         for version in todo:
             if version and not store.is_published(version):
                 continue  # deleted by retention while its hold had expired (an evaluator stopped for long)
-            path = run.student if version == 0 else policy_folder(store, version)
-            if engine is None:
-                engine = eval_engine(path, tokenizer, device)
             tic = time.monotonic()
-            result = evaluate_model(
-                path, prompts, tokenizer, teacher=teacher, max_new_tokens=max_new_tokens, engine=engine
-            )
+            with nullcontext(run.student) if version == 0 else checked_out_policy(store, version) as path:
+                if engine is None:
+                    engine = eval_engine(path, tokenizer, device)
+                result = evaluate_model(
+                    path, prompts, tokenizer, teacher=teacher, max_new_tokens=max_new_tokens, engine=engine
+                )
             if echo is not None:
                 echo(
                     f"eval v{version}: strict {result.strict:.3f}, lenient {result.lenient:.3f}"

@@ -335,8 +335,10 @@ def _print_gpu_table(counts, config, sets, tokens, batch_samples, steps, rates=N
     )
     for column in ("trainer GPUs", "rollout GPUs", "annotate GPUs", "publish_every", "step", "trainer busy", "expired"):
         table.add_column(column, justify="right")
-    for n in counts:
-        found = gpu_plan(gpu_rates, n, base)
+    for i, n in enumerate(counts, 1):
+        # a search of simulated runs per trainer size (seconds each): say which one a terminal is waiting on
+        with console.status(f"sizing rollout and annotate for the trainer on {n} GPUs ({i} of {len(counts)})"):
+            found = gpu_plan(gpu_rates, n, base)
         step_s = found.spec.train.mean(found.spec.batch_samples)
         table.add_row(
             str(n),

@@ -177,15 +177,26 @@ def load_teacher(path: str | os.PathLike, student_tokenizer, device: str = "auto
     return teacher
 
 
-def resolve_model(model: str, s3_endpoint: str | None = None) -> tuple[str, int | None, Store | None]:
-    """A checkpoint folder, or a store (then its newest published version, or the student for version 0)."""
+def model_store(model: str, s3_endpoint: str | None = None) -> Store | None:
+    """The store `model` names (a URI, or a folder with run.json); None for a checkpoint folder."""
     if "://" in model or Store(model).manifest.exists():
-        store = Store(model, s3_endpoint=s3_endpoint)  # the endpoint of store.s3_endpoint, like the other stages
+        return Store(model, s3_endpoint=s3_endpoint)  # the endpoint of store.s3_endpoint, like the other stages
+    return None
+
+
+def resolve_model(
+    model: str, s3_endpoint: str | None = None, download_to: Path | None = None
+) -> tuple[str, int | None, Store | None]:
+    """A checkpoint folder, or a store (then its newest published version, or the student for version 0).
+
+    A remote store's version is downloaded under `download_to` (default: a new temp folder the caller owns)."""
+    store = model_store(model, s3_endpoint)
+    if store is not None:
         run = store.manifest.require()
         version = store.latest_version()
         if version == 0:
             return run.student, 0, store
-        return str(policy_folder(store, version)), version, store
+        return str(policy_folder(store, version, download_to)), version, store
     if not Path(model).exists():
         raise FileNotFoundError(f"--model {model}: no such checkpoint folder or store")
     return model, None, None

@@ -25,8 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -137,18 +139,19 @@ def evaluate_agent_run(
     each scored on the same held-out conversations' prompts; plus the bar (`agent_bar`)."""
     if cfg.rollout.agent.environment is None:
         raise ValueError("rollout.agent.environment is unset: the config is not an agent run")
-    after_path, version, _ = resolve_model(model or cfg.store.uri, cfg.store.s3_endpoint)
-    tokenizer = load_tokenizer(cfg.rollout.student)
-    prompts = first_prompts(load_prompts(prompts_path, tokenizer), max_prompts)
-    sampler = evaluation_sampler(cfg.rollout.agent, tokenizer, cfg.rollout.sampling.max_new_tokens)
-    teacher = load_teacher(cfg.annotate.teacher, tokenizer, device)
-    results = {
-        "teacher": evaluate_agent_model(cfg.annotate.teacher, prompts, tokenizer, sampler, device=device),
-        "before": evaluate_agent_model(
-            cfg.rollout.student, prompts, tokenizer, sampler, teacher=teacher, device=device
-        ),
-        "after": evaluate_agent_model(after_path, prompts, tokenizer, sampler, teacher=teacher, device=device),
-    }
+    with tempfile.TemporaryDirectory(prefix="opd-eval-") as downloads:  # a remote store's version: this call's only
+        after_path, version, _ = resolve_model(model or cfg.store.uri, cfg.store.s3_endpoint, Path(downloads))
+        tokenizer = load_tokenizer(cfg.rollout.student)
+        prompts = first_prompts(load_prompts(prompts_path, tokenizer), max_prompts)
+        sampler = evaluation_sampler(cfg.rollout.agent, tokenizer, cfg.rollout.sampling.max_new_tokens)
+        teacher = load_teacher(cfg.annotate.teacher, tokenizer, device)
+        results = {
+            "teacher": evaluate_agent_model(cfg.annotate.teacher, prompts, tokenizer, sampler, device=device),
+            "before": evaluate_agent_model(
+                cfg.rollout.student, prompts, tokenizer, sampler, teacher=teacher, device=device
+            ),
+            "after": evaluate_agent_model(after_path, prompts, tokenizer, sampler, teacher=teacher, device=device),
+        }
     return {
         "version": version,
         **{name: asdict(result) for name, result in results.items()},

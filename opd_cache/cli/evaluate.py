@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,7 +38,14 @@ def eval_command(
     args: ConfigArgs,
 ) -> None:
     """Evaluate a student on held-out prompts."""
-    from opd_cache.evaluate import evaluate_model, evaluate_store, first_prompts, load_teacher, resolve_model
+    from opd_cache.evaluate import (
+        evaluate_model,
+        evaluate_store,
+        first_prompts,
+        load_teacher,
+        model_store,
+        resolve_model,
+    )
     from opd_cache.models import check_model_path
     from opd_cache.observe.tracking import Tracker
     from opd_cache.tasks.prompts import check_prompts_path, load_prompts
@@ -60,8 +68,8 @@ def eval_command(
     if "://" not in model and not Path(model, RUN_JSON).exists():
         check_model_path(model, "--model")
     check_prompts_path(cfg.prompts)
-    path, version, store = resolve_model(model, s3_endpoint=full.store.s3_endpoint)
-    if follow:
+    if follow:  # each version is checked out in turn (evaluate_store): nothing to download here
+        store = model_store(model, s3_endpoint=full.store.s3_endpoint)
         if store is None:
             raise ValueError("--follow needs --model to be a store (a folder with run.json, or a URI)")
         # train.report_to: the evaluator logs its results to the run's trackers too, as job "eval"
@@ -96,29 +104,32 @@ def eval_command(
                 tracker.close()
                 signal.signal(signal.SIGTERM, previous)
         return
-    tokenizer = load_tokenizer(path)
-    prompt_set = first_prompts(load_prompts(cfg.prompts, tokenizer), cfg.max_prompts)
-    teacher_model = load_teacher(cfg.teacher, tokenizer, device) if cfg.teacher else None
-    result = evaluate_model(
-        path,
-        prompt_set,
-        tokenizer,
-        teacher=teacher_model,
-        n=cfg.n,
-        greedy=cfg.greedy,
-        max_new_tokens=cfg.max_new_tokens,
-        device=device,
-    )
-    out = {"model": str(path), "version": version, **asdict(result)}
-    if as_json:
-        print(json.dumps(out))
-        return
-    console.print(f"[bold]{path}[/]" + (f" (version {version})" if version is not None else ""))
-    console.print(
-        f"  prompts {result.num_prompts} × {result.n}   strict {result.strict:.3f}   "
-        f"lenient {result.lenient:.3f}" + (f"   KL {result.kl:.4f}" if result.kl is not None else "")
-    )
-    console.print(f"  first answer: {result.example!r}", highlight=False)
+    # a remote store's version is downloaded for this evaluation only
+    with tempfile.TemporaryDirectory(prefix="opd-eval-") as downloads:
+        path, version, store = resolve_model(model, full.store.s3_endpoint, download_to=Path(downloads))
+        tokenizer = load_tokenizer(path)
+        prompt_set = first_prompts(load_prompts(cfg.prompts, tokenizer), cfg.max_prompts)
+        teacher_model = load_teacher(cfg.teacher, tokenizer, device) if cfg.teacher else None
+        result = evaluate_model(
+            path,
+            prompt_set,
+            tokenizer,
+            teacher=teacher_model,
+            n=cfg.n,
+            greedy=cfg.greedy,
+            max_new_tokens=cfg.max_new_tokens,
+            device=device,
+        )
+        out = {"model": str(path), "version": version, **asdict(result)}
+        if as_json:
+            print(json.dumps(out))
+            return
+        console.print(f"[bold]{path}[/]" + (f" (version {version})" if version is not None else ""))
+        console.print(
+            f"  prompts {result.num_prompts} × {result.n}   strict {result.strict:.3f}   "
+            f"lenient {result.lenient:.3f}" + (f"   KL {result.kl:.4f}" if result.kl is not None else "")
+        )
+        console.print(f"  first answer: {result.example!r}", highlight=False)
 
 
 @app.command("eval-agent")

@@ -16,8 +16,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -206,21 +205,13 @@ def policy_folder(store: Store, version: int, download_to: Path | None = None) -
     """The local folder of published policy `version` (evaluators and the examples' measure scripts load it).
 
     A remote store's version is downloaded under `download_to` (default: a new temp folder, which outlives the
-    call: the caller loads from it later); a loop over versions uses `checked_out_policy`, which removes each copy.
+    call: the caller loads from it later); a caller that evaluates and moves on passes a TemporaryDirectory.
     """
     rel = layout.policy_dir(version)
     in_store = store.local_dir(rel)  # a local store: loaded in place
     if in_store is not None:
         return in_store
     return store.download_dir(rel, (download_to or Path(tempfile.mkdtemp(prefix="opd-eval-"))) / rel)
-
-
-@contextmanager
-def checked_out_policy(store: Store, version: int) -> Iterator[Path]:
-    """`policy_folder` for the block only: a remote store's copy is removed after it (an evaluator following a
-    run on S3 evaluates dozens of versions, and each one's copy used to stay in the temp folder)."""
-    with tempfile.TemporaryDirectory(prefix="opd-eval-") as tmp:
-        yield policy_folder(store, version, download_to=Path(tmp))
 
 
 def evaluate_store(
@@ -265,7 +256,9 @@ def evaluate_store(
             if version and not store.is_published(version):
                 continue  # deleted by retention while its hold had expired (an evaluator stopped for long)
             tic = time.monotonic()
-            with nullcontext(run.student) if version == 0 else checked_out_policy(store, version) as path:
+            # a remote store's version is downloaded for this evaluation only (a run evaluates dozens of them)
+            with tempfile.TemporaryDirectory(prefix="opd-eval-") as downloads:
+                path = run.student if version == 0 else policy_folder(store, version, Path(downloads))
                 if engine is None:
                     engine = eval_engine(path, tokenizer, device)
                 result = evaluate_model(

@@ -271,6 +271,12 @@ def table(results: dict, baseline: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps × 64 samples on each side")
+    parser.add_argument(
+        "--opd-steps",
+        type=int,
+        help="optimizer steps of the opd side only (default: --steps): opd at an equal wall-time budget "
+        "instead of equal samples, its cosine schedule stretched over its own steps",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trl-python", default=sys.executable, help="the python with trl installed")
     parser.add_argument(
@@ -302,9 +308,10 @@ def main() -> None:
     ensure_demo_models(Console())
     out = args.out or Path(tempfile.mkdtemp(prefix="opd-bench-trl-"))
     out.mkdir(parents=True, exist_ok=True)
-    timeout = 120 + args.steps * 6.0  # a hung run fails the benchmark instead of blocking it
+    opd_steps = args.opd_steps or args.steps
+    timeout = 120 + max(args.steps, opd_steps) * 6.0  # a hung run fails the benchmark instead of blocking it
     torch.set_num_threads(1)
-    cfg = demo_config(out / "opd", args.seed, [f"train.max_steps={args.steps}", "run.evaluate=false", *args.set])
+    cfg = demo_config(out / "opd", args.seed, [f"train.max_steps={opd_steps}", "run.evaluate=false", *args.set])
     tokenizer = load_tokenizer(cfg.rollout.student)
     prompts_file = out / "trl-prompts.json"
     prompts_file.write_text(json.dumps(trl_prompt_rows(cfg, args.steps, tokenizer)))
@@ -346,6 +353,7 @@ def main() -> None:
     ratio = _ratio(opd["time_to_last_step_s"], trl["time_to_last_step_s"])
     doc = {
         "steps": args.steps,
+        "opd_steps": opd_steps,
         "global_batch_samples": cfg.train.global_batch_samples,
         "seed": args.seed,
         "order": order,
@@ -366,7 +374,8 @@ def main() -> None:
         "opd_config": cfg.model_dump(mode="json"),
         "trl_specs": specs,
     }
-    print(f"\n## opd vs TRL GKDTrainer ({args.steps} steps × {cfg.train.global_batch_samples} samples)\n")
+    steps_title = f"{args.steps} steps" if opd_steps == args.steps else f"opd {opd_steps} steps, TRL {args.steps}"
+    print(f"\n## opd vs TRL GKDTrainer ({steps_title} × {cfg.train.global_batch_samples} samples)\n")
     print(table(results, baseline))
     print(
         f"\nopd / TRL ({baseline}), launch to last step: {ratio:.2f}× (target ≤ {TARGET}×); held-out KL opd "

@@ -72,5 +72,7 @@ def test_opd_eval_of_a_remote_store_removes_the_version_it_downloaded(
         ],
     )
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output.strip().splitlines()[-1])["version"] == 2
+    printed = json.loads(result.output.strip().splitlines()[-1])
+    assert printed["version"] == 2
+    assert printed["model"] == s3_store.uri  # not the temp folder the download lived in, gone by now
     assert sorted(p.name for p in scratch.iterdir()) == []

@@ -14,6 +14,7 @@ import typer
 from opd_cache.cli.common import StoreAliasOpt, app, console, one_store, store_arg, user_errors
 from opd_cache.cli.config_flags import ConfigArgs, config_flags
 from opd_cache.storage.layout import RUN_JSON
+from opd_cache.storage.scratch import owned_temp_prefix
 from opd_cache.storage.store import Store
 
 
@@ -105,7 +106,7 @@ def eval_command(
                 signal.signal(signal.SIGTERM, previous)
         return
     # a remote store's version is downloaded for this evaluation only
-    with tempfile.TemporaryDirectory(prefix="opd-eval-") as downloads:
+    with tempfile.TemporaryDirectory(prefix=owned_temp_prefix("opd-eval-")) as downloads:
         path, version, store = resolve_model(model, full.store.s3_endpoint, download_to=Path(downloads))
         tokenizer = load_tokenizer(path)
         prompt_set = first_prompts(load_prompts(cfg.prompts, tokenizer), cfg.max_prompts)
@@ -120,11 +121,13 @@ def eval_command(
             max_new_tokens=cfg.max_new_tokens,
             device=device,
         )
-        out = {"model": str(path), "version": version, **asdict(result)}
+        # a remote store's download is removed on return: name the store's URI, which still means something
+        shown = model if "://" in model else str(path)
+        out = {"model": shown, "version": version, **asdict(result)}
         if as_json:
             print(json.dumps(out))
             return
-        console.print(f"[bold]{path}[/]" + (f" (version {version})" if version is not None else ""))
+        console.print(f"[bold]{shown}[/]" + (f" (version {version})" if version is not None else ""))
         console.print(
             f"  prompts {result.num_prompts} × {result.n}   strict {result.strict:.3f}   "
             f"lenient {result.lenient:.3f}" + (f"   KL {result.kl:.4f}" if result.kl is not None else "")

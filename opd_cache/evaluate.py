@@ -32,6 +32,7 @@ from opd_cache.observe.tracking import eval_metrics
 from opd_cache.rollout.hf_generate import HFGenerator, right_pad
 from opd_cache.storage import layout
 from opd_cache.storage.retention import VersionHold
+from opd_cache.storage.scratch import owned_temp_prefix
 from opd_cache.storage.store import Store
 from opd_cache.tasks.prompts import PromptSet, load_prompts
 from opd_cache.tasks.rewards import compute_score
@@ -211,7 +212,9 @@ def policy_folder(store: Store, version: int, download_to: Path | None = None) -
     in_store = store.local_dir(rel)  # a local store: loaded in place
     if in_store is not None:
         return in_store
-    return store.download_dir(rel, (download_to or Path(tempfile.mkdtemp(prefix="opd-eval-"))) / rel)
+    if download_to is None:
+        download_to = Path(tempfile.mkdtemp(prefix=owned_temp_prefix("opd-eval-")))
+    return store.download_dir(rel, download_to / rel)
 
 
 def evaluate_store(
@@ -257,7 +260,7 @@ def evaluate_store(
                 continue  # deleted by retention while its hold had expired (an evaluator stopped for long)
             tic = time.monotonic()
             # a remote store's version is downloaded for this evaluation only (a run evaluates dozens of them)
-            with tempfile.TemporaryDirectory(prefix="opd-eval-") as downloads:
+            with tempfile.TemporaryDirectory(prefix=owned_temp_prefix("opd-eval-")) as downloads:
                 path = run.student if version == 0 else policy_folder(store, version, Path(downloads))
                 if engine is None:
                     engine = eval_engine(path, tokenizer, device)

@@ -36,6 +36,7 @@ from opd_cache.config import AgentConfig, Config, SamplingConfig, load_config
 from opd_cache.engine import SampleRequest
 from opd_cache.evaluate import eval_engine, first_prompts, load_teacher, masked_sequence_kl, resolve_model
 from opd_cache.rollout.agent import AgentSampler, engine_generate_fn, environment_prompt, run_conversations
+from opd_cache.storage.scratch import owned_temp_prefix
 from opd_cache.tasks.prompts import PromptSet, load_prompts
 from opd_cache.tasks.rewards import compute_score
 from opd_cache.tokenizer import load_tokenizer
@@ -139,7 +140,8 @@ def evaluate_agent_run(
     each scored on the same held-out conversations' prompts; plus the bar (`agent_bar`)."""
     if cfg.rollout.agent.environment is None:
         raise ValueError("rollout.agent.environment is unset: the config is not an agent run")
-    with tempfile.TemporaryDirectory(prefix="opd-eval-") as downloads:  # a remote store's version: this call's only
+    # a remote store's version is downloaded for this call only
+    with tempfile.TemporaryDirectory(prefix=owned_temp_prefix("opd-eval-")) as downloads:
         after_path, version, _ = resolve_model(model or cfg.store.uri, cfg.store.s3_endpoint, Path(downloads))
         tokenizer = load_tokenizer(cfg.rollout.student)
         prompts = first_prompts(load_prompts(prompts_path, tokenizer), max_prompts)

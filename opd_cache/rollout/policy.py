@@ -11,6 +11,7 @@ from pathlib import Path
 
 from opd_cache.storage import layout
 from opd_cache.storage.integrity import legacy_warning, verify_local_folder
+from opd_cache.storage.scratch import owned_temp_prefix
 from opd_cache.storage.store import Store
 from opd_cache.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -42,7 +43,7 @@ class PolicyFiles:
             path = str(in_store)
         else:
             if self.cache_dir is None:
-                self.cache_dir = tempfile.mkdtemp(prefix="opd-rollout-policy-")
+                self.cache_dir = tempfile.mkdtemp(prefix=owned_temp_prefix("opd-rollout-policy-"))
             path = str(self.store.download_dir(rel, os.path.join(self.cache_dir, f"v{version:06d}")))
         problems = verify_local_folder(Path(path))  # the bytes about to be loaded (remote: the downloaded copy)
         if problems is None:

@@ -72,6 +72,7 @@ from opd_cache.storage.integrity import (
 )
 from opd_cache.storage.layout import TRAIN_CONSUMED, TRAIN_SKIPPED, TRAIN_STATE
 from opd_cache.storage.retention import prune_states
+from opd_cache.storage.scratch import owned_temp_prefix
 from opd_cache.storage.store import COMPLETE_MARKER, Store, StoreError, iter_jsonl
 
 
@@ -213,7 +214,7 @@ def load_state(
     cleanup = None
     folder = store.local_dir(rel)  # a local store: read in place
     if folder is None:  # an object store: read a downloaded copy
-        cleanup = folder = Path(tempfile.mkdtemp(prefix="opd-state-"))
+        cleanup = folder = Path(tempfile.mkdtemp(prefix=owned_temp_prefix("opd-state-")))
         store.download_dir(rel, folder)
     problems = verify_local_folder(folder)  # the bytes about to be loaded (on S3: the downloaded copy)
     if problems:

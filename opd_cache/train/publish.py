@@ -34,6 +34,7 @@ import torch
 
 from opd_cache.storage import layout
 from opd_cache.storage.retention import outside_window, prune_policy_versions
+from opd_cache.storage.scratch import owned_temp_prefix
 from opd_cache.storage.store import Store
 
 PUBLISH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -72,7 +73,7 @@ class PolicyPublisher:
         if rank == 0:
             # Everything but the weights is the same for every version: written once, copied per version
             # (the training thread never touches these copies, so the writer needs no lock).
-            self.template = Path(tempfile.mkdtemp(prefix="opd-policy-template-"))
+            self.template = Path(tempfile.mkdtemp(prefix=owned_temp_prefix("opd-policy-template-")))
             config = copy.deepcopy(model.config)
             config.dtype = self.dtype or next(model.parameters()).dtype
             config.save_pretrained(self.template)
@@ -152,7 +153,7 @@ class PolicyPublisher:
 
         # a local store: built in place and renamed into the version (one write of the weights, no copy)
         draft = store.policy_draft(version)
-        folder = draft or Path(tempfile.mkdtemp(prefix=f"opd-policy-v{version:06d}-"))
+        folder = draft or Path(tempfile.mkdtemp(prefix=owned_temp_prefix("opd-policy-publish-")))
         try:
             shutil.copytree(self.template, folder, dirs_exist_ok=True)
             save_torch_state_dict(state, folder)  # model.safetensors, or shards and their index when large

@@ -2,6 +2,7 @@
 
     /tmp/trl/venv/bin/python benchmarks/bench_trl.py              # the measurement in docs/benchmarks.md
     /tmp/trl/venv/bin/python benchmarks/bench_trl.py --steps 20   # a smoke run
+    /tmp/trl/venv/bin/python benchmarks/bench_trl.py --opd-steps 450   # opd at an equal wall-time budget
 
 TRL is not a dependency of the project: install it in its own virtual environment that sees the system's
 torch and transformers (docs/benchmarks.md, "TRL's GKD trainer"), and run this script with that python.

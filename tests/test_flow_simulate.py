@@ -114,6 +114,48 @@ def test_on_two_shared_cores_the_trainer_waits_when_the_producers_need_more_than
     assert shared.expired == 0 and separate.expired == 0
 
 
+def test_the_trainers_busy_share_counts_its_steps_elapsed_time_not_their_cpu():
+    # the measured busy share is Σ step_time_s / Σ (step_time_s + data_wait_s), wall times; a trainer that keeps
+    # 1.1 cores does 0.176 CPU-s of work in 0.16 s, and its compute is those 0.16 s
+    spec = replace(BASE, train=Service(per_row=0.011), cores=2, train_kept_cores=1.1, bells=True, steps=50)
+    result = simulate(spec, "schedule")
+    assert result.compute_s == pytest.approx(50 * 16 * 0.011 / 1.1)
+    assert result.busy_share == pytest.approx(result.compute_s / (result.compute_s + result.wait_s))
+
+
+def test_in_lockstep_each_stages_pickup_latency_adds_to_every_step():
+    # max_staleness 0: every step's rows are sampled after the version before it, so each step waits for the whole
+    # chain; an idle annotate worker starts a shard annotate_pickup_s after it lands, the trainer takes it
+    # train_pickup_s after it is scored (a bell's poll, a listing, a read on the real stages)
+    lockstep = replace(
+        BASE,
+        rollout=Service(per_row=0.005),
+        annotate=Service(per_row=0.005),
+        train=Service(per_row=0.005),
+        bells=True,
+        steps=100,
+        max_staleness=0,
+        publish_latency_s=0.0,
+        reload_latency_s=0.0,
+    )
+    plain = simulate(lockstep, "schedule")
+    annotate_late = simulate(replace(lockstep, annotate_pickup_s=0.02), "schedule")
+    train_late = simulate(replace(lockstep, train_pickup_s=0.03), "schedule")
+    assert annotate_late.wall_s == pytest.approx(plain.wall_s + 100 * 0.02)
+    assert train_late.wall_s == pytest.approx(plain.wall_s + 100 * 0.03)
+    assert train_late.wait_s == pytest.approx(plain.wait_s + 100 * 0.03)  # the trainer waits for its own pickup
+
+
+def test_a_busy_annotate_worker_takes_the_shards_that_landed_meanwhile_at_once():
+    # rollout far ahead of a slow annotator: its next listing, after each shard, holds the next one, so the pickup
+    # latency is paid once, for the first shard, which landed while the worker was idle
+    backlog = replace(BASE, rollout=Service(per_row=0.002), annotate=Service(per_row=0.02), bells=True, steps=60)
+    plain = simulate(backlog, "schedule")
+    late = simulate(replace(backlog, annotate_pickup_s=0.05), "schedule")
+    assert late.wall_s == pytest.approx(plain.wall_s + 0.05, abs=0.01)
+    assert late.trained == plain.trained and late.expired == 0
+
+
 def test_an_evaluator_slows_the_pipeline_only_when_it_shares_the_cores():
     spec = replace(BASE, bells=True)
     evaluated = replace(spec, eval_every=1, eval_s=0.1)  # 0.1 s of CPU per version: ~half a step each

@@ -4,6 +4,7 @@ input as one line naming the flag (or the stage whose metrics a store lacks)."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -152,6 +153,46 @@ def test_the_evaluator_of_opd_run_is_modelled_from_its_records(finished_store):
     older = calibrate(measured, calibrate_base(config), cores=2)
     assert older.spec.eval_every == 0
     assert any("the evaluator is not modelled" in note for note in older.notes)
+
+
+def test_each_stages_pickup_latency_is_measured_from_its_records(finished_store):
+    """On a local store (bells): how long after a shard lands an idle annotate worker starts it (its record's time
+    less its seconds) and a waiting trainer takes it (the wait's end: the previous step's record plus data_wait_s).
+    Shards that landed while the stage was busy, and steps that did not wait, say nothing about it."""
+    _, config = finished_store
+    base = replace(calibrate_base(config), bells=True)
+    shard = {"rows": 8, "tokens": 80, "tokens_per_s": 800.0, "cpu_s": 0.1}
+    landings = {"a": 10.0, "b": 10.5, "c": 10.6, "d": 12.0}
+    part = {"event": "annotated", "rows": 8, "seconds": 0.3, "cpu_s": 0.1}
+    step = {"samples": 8, "step_time_s": 0.05, "policy_version": 0, "staleness": {"0": 8}, "cpu_s": 0.05}
+    metrics = {
+        "rollout-w00": [
+            {**shard, "shard": name, "time": t, "cursor": i, "total_samples": 8 * i}
+            for i, (name, t) in enumerate(landings.items(), 1)
+        ],
+        # a: the worker's first shard (its start-up: left out); b landed after a was done and started 6 ms later;
+        # c landed while b was scored (a backlog: left out); d landed after c was done and started 8 ms later
+        "annotate-teacher-0": [
+            {**part, "shard_id": "a", "time": 10.304},
+            {**part, "shard_id": "b", "time": 10.806},
+            {**part, "shard_id": "c", "time": 10.906, "seconds": 0.1},
+            {**part, "shard_id": "d", "time": 12.308},
+        ],
+        # a record is written after its wait, its compute and its bookkeeping: step 2 waited from 10.40 until
+        # 10.813 (7 ms after b's part), step 3 did not wait, step 4 waited from 10.93 until 12.317 (9 ms after d's)
+        "train-0": [
+            {**step, "step": 1, "time": 10.40, "data_wait_s": 0.2},
+            {**step, "step": 2, "time": 10.87, "data_wait_s": 0.413},
+            {**step, "step": 3, "time": 10.93, "data_wait_s": 0.0},
+            {**step, "step": 4, "time": 12.40, "data_wait_s": 1.387},
+        ],
+    }
+    spec = calibrate(metrics, base).spec
+    assert spec.annotate_pickup_s == pytest.approx(0.007)  # the median of 6 and 8 ms
+    assert spec.train_pickup_s == pytest.approx(0.008)  # the median of 7 and 9 ms
+    # without bells the model waits out the polls itself: no pickup is measured
+    unrung = calibrate(metrics, replace(base, bells=False)).spec
+    assert (unrung.annotate_pickup_s, unrung.train_pickup_s) == (0.0, 0.0)
 
 
 def test_shared_cores_need_the_cpu_of_every_stage(local_store):

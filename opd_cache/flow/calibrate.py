@@ -8,7 +8,8 @@ The stages log one record per unit of work (observe/metrics.py), which is all th
 - annotate, `metrics/annotate-<worker>.jsonl`: per shard `rows` and `seconds` (read, score, write);
 - each of these unit records also has `cpu_s`, the process's CPU since its previous one (`--cores`);
 - train, `metrics/train-0.jsonl`: per step `step_time_s` (compute), `data_wait_s` (waiting for the next batch),
-  the record's `time` (so what the step spent after its compute: ledger, publication, progress, state saves),
+  the record's `time` (so what the step spent after its compute: ledger, publication, progress, state saves;
+  and, against annotate's records, how long after a shard landed a step that waited for it went on),
   `samples`, `policy_version`, `staleness` and `expired_total`.
 
 The settings the metrics do not hold (n, the flush and buffer sizes, poll intervals, max_staleness) come from
@@ -19,6 +20,7 @@ store itself.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import dataclass, replace
 
@@ -98,6 +100,40 @@ def _cpu_per_row(records: list[dict], rows_key: str = "rows") -> list[float] | N
     return values[1:] or values
 
 
+def _annotate_pickup_lags(shards: list[dict], workers: dict[str, list[dict]]) -> list[float]:
+    """For each shard that landed while its annotate worker was idle: the start of its scoring (the record's
+    `time` less its `seconds`) minus its landing (the rollout record's `time`)."""
+    landed = {r["shard"]: r["time"] for r in shards}
+    lags = []
+    for records in workers.values():
+        idle_since = None  # the end of the worker's previous shard
+        for r in records:
+            if r.get("event") != "annotated":
+                continue
+            landing = landed.get(r.get("shard_id"))
+            if landing is not None and idle_since is not None and landing > idle_since:
+                lags.append(r["time"] - r["seconds"] - landing)
+            idle_since = r["time"]
+    return lags
+
+
+def _train_pickup_lags(train: list[dict], annotated: list[dict]) -> list[float]:
+    """For each step that waited for a shard which landed during its wait: the wait's end minus the landing.
+
+    A step's record is written after its compute and bookkeeping, so its wait began at the previous record's
+    `time` and ended `data_wait_s` later; the landing is the newest annotated record before that end."""
+    landed = sorted(r["time"] for r in annotated)
+    lags = []
+    for prev, r in zip(train, train[1:]):
+        if r["step"] != prev["step"] + 1 or r["data_wait_s"] <= 0.001:
+            continue
+        end = prev["time"] + r["data_wait_s"]
+        i = bisect.bisect_right(landed, end) - 1
+        if i >= 0 and end - landed[i] < r["data_wait_s"]:
+            lags.append(end - landed[i])
+    return lags
+
+
 def calibrate(
     metrics: dict[str, list[dict]], base: PipelineSpec, where: str = "the store", cores: float | None = None
 ) -> Calibration:
@@ -167,6 +203,19 @@ def calibrate(
             )
     else:
         publish_every = base.publish_every
+    # how long after a shard lands an idle stage starts on it (bells only: without them the model waits out the
+    # polls itself, and they are not part of the pickup)
+    annotate_pickup_s, train_pickup_s = base.annotate_pickup_s, base.train_pickup_s
+    if base.bells:
+        shards = [r for recs in rollout_workers.values() for r in recs if "shard" in r]
+        annotate_lags = _annotate_pickup_lags(shards, _records(metrics, "annotate"))
+        train_lags = _train_pickup_lags(train, annotated)
+        if annotate_lags:
+            annotate_pickup_s = statistics.median(annotate_lags)
+        if train_lags:
+            train_pickup_s = statistics.median(train_lags)
+        if not annotate_lags or not train_lags:
+            notes.append("a stage never waited for a shard: its pickup latency is not measured")
     reload_s = statistics.median(reload_gaps) if reload_gaps else base.reload_latency_s
     if not reload_gaps:
         notes.append("no reload records: reload latency from the configuration's default")
@@ -223,6 +272,8 @@ def calibrate(
         train_overhead_s=overhead,
         save_s=save_s,
         reload_latency_s=reload_s,
+        annotate_pickup_s=annotate_pickup_s,
+        train_pickup_s=train_pickup_s,
         startup_s=0.0,
         cores=cores if cores is not None else base.cores,
         train_kept_cores=train_kept_cores,

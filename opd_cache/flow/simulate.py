@@ -19,9 +19,10 @@ The trainer is the same in both: a prefetch thread assembles batches oldest vers
 listing showed (a listing covers the window [V − S, V] of the step's version, the partitions that just left it,
 and one older partition in turn, ShardWatch's sweep: a shard published late into an old version is expired only
 when the sweep reaches it), expires too-stale shards, waits `poll` when short of rows and then publishes its
-counters; the optimizer takes batches from a queue of `prefetch_batches`, computes, publishes a version every
-`publish_every` steps (visible after `publish_latency_s`; at most one write in flight), writes progress, and
-saves a state every `save_every` steps.
+counters (a shard it waited for is ready `train_pickup_s` after it lands: the bell, the listing, the read); the
+optimizer takes batches from a queue of `prefetch_batches`, computes, publishes a version every `publish_every`
+steps (visible after `publish_latency_s`; at most one write in flight), writes progress, and saves a state every
+`save_every` steps.
 
 With `eval_every`, opd run's evaluator runs beside them (version 0, then every eval_every-th version, `eval_s`
 each): it only takes CPU, so it matters when the processes share `cores`; the trainer's step then keeps
@@ -133,6 +134,7 @@ class PipelineModel:
         self.queue_item, self.queue_space = Signal(self.sim), Signal(self.sim)
         # what the optimizer measured
         self.compute_s = self.wait_s = self.last_wait = 0.0
+        self.annotate_busy_until = [-math.inf] * spec.annotate_workers  # each worker's last shard's end
         self.staleness_sum = 0
         self.finished_at: float | None = None
         self.publisher_free_at = 0.0
@@ -185,7 +187,10 @@ class PipelineModel:
                 seq += 1
                 buffer = 0
                 store.in_flight.pop(worker, None)
-                self.rang("rollouts")
+                if spec.annotate_pickup_s:  # an idle annotate worker starts on it that much later
+                    self.sim.call_at(self.sim.now + spec.annotate_pickup_s, lambda: self.rang("rollouts"))
+                else:
+                    self.rang("rollouts")
 
         while not store.done:
             if store.latest > version:  # a newer policy: publish what the old one sampled, then reload
@@ -241,17 +246,24 @@ class PipelineModel:
         spec, store = self.spec, self.store
         while not store.done:
             if self.pacing == "count":
-                worked = yield from self._annotate_pass_count()
+                worked = yield from self._annotate_pass_count(worker)
             else:
-                worked = yield from self._annotate_next_by_deadline()
+                worked = yield from self._annotate_next_by_deadline(worker)
             if not worked:
                 yield self.wait(spec.annotate_poll_s, "rollouts", "train")
 
-    def _score(self, shard: SimShard):
+    def _visible(self, shard: SimShard, worker: int) -> bool:
+        """Whether `worker` sees `shard` now: at once if it landed while the worker was busy (its next listing
+        holds it), else `annotate_pickup_s` after it landed (the idle worker's bell poll, listing and claim)."""
+        landed = shard.published_at
+        return landed <= self.annotate_busy_until[worker] or self.sim.now >= landed + self.spec.annotate_pickup_s
+
+    def _score(self, shard: SimShard, worker: int):
         shard.claimed = True
         self.working += 1
         yield Work(self.spec.annotate.draw(shard.rows, self.rng))
         self.working -= 1
+        self.annotate_busy_until[worker] = self.sim.now
         shard.scored_at = self.sim.now
         self.store.unscored.remove(shard)
         self.store.scored_rows += shard.rows
@@ -262,11 +274,11 @@ class PipelineModel:
         self.store.unscored.remove(shard)
         self.store.skipped_rows += shard.rows
 
-    def _annotate_pass_count(self):
+    def _annotate_pass_count(self, worker: int):
         """One listing of the window [LATEST − S, LATEST], scored oldest first (annotate/worker.py `_loop`)."""
         store = self.store
         low = store.latest - self.spec.max_staleness
-        pending = [s for s in store.unscored if s.version >= low and not s.claimed]
+        pending = [s for s in store.unscored if s.version >= low and not s.claimed and self._visible(s, worker)]
         worked = False
         for shard in pending:
             if store.done:
@@ -280,21 +292,22 @@ class PipelineModel:
             used = progress.consumed + progress.expired
             if store.scored_rows - used >= self.needed - progress.trained:
                 break  # the trainer's remaining demand is covered
-            yield from self._score(shard)
+            yield from self._score(shard, worker)
             worked = True
         return worked
 
-    def _annotate_next_by_deadline(self):
+    def _annotate_next_by_deadline(self, worker: int):
         """The unscored shard that expires first; one whose deadline has passed is skipped unscored."""
         store = self.store
         schedule = store.progress.schedule
         for shard in sorted(
-            (s for s in store.unscored if not s.claimed), key=lambda s: (schedule.deadline_step(s.version), s.key)
+            (s for s in store.unscored if not s.claimed and self._visible(s, worker)),
+            key=lambda s: (schedule.deadline_step(s.version), s.key),
         ):
             if schedule.deadline_passed(shard.version):
                 self._skip(shard)
                 continue
-            yield from self._score(shard)
+            yield from self._score(shard, worker)
             return True
         return False
 
@@ -342,7 +355,7 @@ class PipelineModel:
         spec = self.spec
         for step in range(1, spec.steps + 1):
             version = self.version_of_step(step)
-            need, staleness = spec.batch_samples, 0
+            need, staleness, waited = spec.batch_samples, 0, False
             while need:
                 if self.current is None:
                     fresh = self.sim.now - self.listed_at <= spec.train_poll_s
@@ -364,7 +377,11 @@ class PipelineModel:
                         yield self.wait(spec.train_poll_s, "annotated")
                         self.mutual_wait = self.mutual_wait + (self.sim.now - waited_from) if idle else 0.0
                         self.longest_mutual_wait = max(self.longest_mutual_wait, self.mutual_wait)
+                        waited = True
                         continue
+                    if waited and spec.train_pickup_s:  # the shard it waited for: found, listed and read
+                        yield spec.train_pickup_s
+                        waited = False
                     self.current = shard
                 self.mutual_wait = 0.0
                 shard = self.current
@@ -401,8 +418,9 @@ class PipelineModel:
             self.last_wait = self.sim.now - asked
             self.wait_s += self.last_wait
             compute = spec.train.draw(spec.batch_samples, self.rng)
+            started = self.sim.now
             yield Work(compute, kept_cores=spec.train_kept_cores)  # measured: docs/flow-control.md
-            self.compute_s += compute
+            self.compute_s += self.sim.now - started  # the step's elapsed time, as step_time_s (not its CPU)
             self.staleness_sum += batch["staleness"]
             overhead = spec.train_overhead_s
             if step % spec.publish_every == 0 or step == spec.steps:

@@ -56,6 +56,8 @@ class PipelineSpec:
     save_s: float = 0.0  # a resume state (every save_every steps)
     publish_latency_s: float = 0.0  # end of a step -> the version is LATEST
     reload_latency_s: float = 0.0  # a rollout worker loads a new version
+    annotate_pickup_s: float = 0.0  # an idle annotate worker: a shard's landing -> its scoring (bell, list, claim)
+    train_pickup_s: float = 0.0  # a shard the trainer waited for: its landing -> its rows ready (bell, list, read)
     rollout_poll_s: float = 1.0
     annotate_poll_s: float = 1.0
     train_poll_s: float = 1.0
@@ -76,6 +78,9 @@ class PipelineSpec:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be >= 1")
         if self.annotate_workers < 1:
             raise ValueError(f"annotate_workers = {self.annotate_workers}: must be >= 1")
+        for name in ("annotate_pickup_s", "train_pickup_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} = {getattr(self, name)}: must be >= 0")
         for name in ("rollout_poll_s", "annotate_poll_s", "train_poll_s", "flush_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be > 0")

@@ -209,9 +209,14 @@ class _Search:
 
 def pipeline_latency(spec: PipelineSpec) -> float:
     """Seconds from a version's publication to the first batch of its rows being listed by the trainer: the
-    write, the reload, a generate() call, scoring a shard, and half a poll of each stage (none with bells)."""
+    write, the reload, a generate() call, scoring a shard, and half a poll of each stage (with bells: the
+    annotate worker's and the trainer's pickups instead)."""
     batch_rows = spec.batch_prompts * spec.n
-    polls = 0.0 if spec.bells else (spec.rollout_poll_s + spec.annotate_poll_s + spec.train_poll_s) / 2
+    polls = (
+        spec.annotate_pickup_s + spec.train_pickup_s
+        if spec.bells
+        else (spec.rollout_poll_s + spec.annotate_poll_s + spec.train_poll_s) / 2
+    )
     return (
         spec.publish_latency_s
         + spec.reload_latency_s

@@ -31,9 +31,8 @@ each): it only takes CPU, so it matters when the processes share `cores`; the tr
 Service times are `Service`s: fixed + per-row seconds, times a gamma factor (mean 1, coefficient of variation
 `cv`). Outputs (`SimResult`): wall time, the trainer's busy share Σ compute / Σ (compute + waiting for data),
 samples generated, scored, trained and expired, the mean staleness of trained rows, and how long the last step
-waited. With `bells` (a local store, storage/bells.py) a waiting loop also wakes at the store's next change; an
-idle annotate worker then starts a new shard `annotate_pickup_s` after it landed, and a waiting trainer takes a
-scored one `train_pickup_s` after (a real stage checks its bell every 5 ms, then lists, claims or reads).
+waited. With `bells` (a local store, storage/bells.py) a waiting loop also wakes at the store's next change,
+after its pickup latency (`annotate_pickup_s`, `train_pickup_s`: a bell checked every 5 ms, a listing, a read).
 """
 
 from __future__ import annotations

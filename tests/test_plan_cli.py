@@ -195,6 +195,36 @@ def test_each_stages_pickup_latency_is_measured_from_its_records(finished_store)
     assert (unrung.annotate_pickup_s, unrung.train_pickup_s) == (0.0, 0.0)
 
 
+def test_the_reload_latency_leaves_out_the_wait_for_the_version(finished_store):
+    """A rollout worker that flushed before the next version was out waits for it: that wait is the window's, not
+    the load's. A reload is timed from the later of the flush and the version's publication (the trainer's first
+    record at that version)."""
+    _, config = finished_store
+    shard = {"rows": 8, "tokens": 80, "tokens_per_s": 800.0, "cpu_s": 0.1}
+    part = {"event": "annotated", "rows": 8, "seconds": 0.05, "cpu_s": 0.1}
+    step = {"samples": 8, "step_time_s": 0.1, "data_wait_s": 0.0, "staleness": {"0": 8}, "cpu_s": 0.1}
+    metrics = {
+        # v1 came out at 1.285, 0.285 s after the flush of 1.0: reloaded 15 ms later; v2 was out (1.9) when the
+        # worker flushed at 2.0: reloaded 12 ms after the flush
+        "rollout-w00": [
+            {**shard, "shard": "a", "time": 1.0, "cursor": 1, "total_samples": 8},
+            {"event": "reload", "policy_version": 1, "time": 1.300},
+            {**shard, "shard": "b", "time": 2.0, "cursor": 2, "total_samples": 16},
+            {"event": "reload", "policy_version": 2, "time": 2.012},
+            {**shard, "shard": "c", "time": 2.5, "cursor": 3, "total_samples": 24},
+        ],
+        "annotate-teacher-0": [{**part, "shard_id": n, "time": t} for n, t in (("a", 1.1), ("b", 2.1), ("c", 2.6))],
+        "train-0": [
+            {**step, "step": 1, "time": 1.2, "policy_version": 0},
+            {**step, "step": 2, "time": 1.285, "policy_version": 1},
+            {**step, "step": 3, "time": 1.8, "policy_version": 1},
+            {**step, "step": 4, "time": 1.9, "policy_version": 2},
+        ],
+    }
+    spec = calibrate(metrics, calibrate_base(config)).spec
+    assert spec.reload_latency_s == pytest.approx((0.015 + 0.012) / 2)  # not the 0.3 s the first flush waited
+
+
 def test_shared_cores_need_the_cpu_of_every_stage(local_store):
     """A store of an older release has no cpu_s: --cores says so instead of modelling wall times as CPU."""
     local_store.manifest.ensure(student="student", tokenizer_fingerprint="fp-test")

@@ -100,6 +100,24 @@ def _cpu_per_row(records: list[dict], rows_key: str = "rows") -> list[float] | N
     return values[1:] or values
 
 
+def _reload_gaps(reloads: list[tuple[float, dict]], train: list[dict]) -> list[float]:
+    """Each reload's seconds from the later of its worker's flush and the version's publication (the first step
+    record at that policy version: written once the weights are handed to the publisher) to the reload record:
+    the write, the bell and the load. A worker that flushed before the version was out waited for it, and that
+    wait is the window's, not the reload's."""
+    published, published_at = sorted((r["policy_version"], r["time"]) for r in train), {}
+    for version, at in published:
+        published_at.setdefault(version, at)
+    versions = sorted(published_at)
+    gaps = []
+    for flushed, r in reloads:
+        i = bisect.bisect_left(versions, r["policy_version"])
+        out = published_at[versions[i]] if i < len(versions) else None
+        if out is not None:
+            gaps.append(r["time"] - max(flushed, out))
+    return gaps
+
+
 def _annotate_pickup_lags(shards: list[dict], workers: dict[str, list[dict]]) -> list[float]:
     """For each shard that landed while its annotate worker was idle: the start of its scoring (the record's
     `time` less its `seconds`) minus its landing (the rollout record's `time`)."""
@@ -148,13 +166,13 @@ def calibrate(
 
     # rollout: per-shard generate seconds, per row
     rollout_workers = _records(metrics, "rollout")
-    per_row, gen_rows, gen_tokens, first_start, reload_gaps = [], 0, 0, None, []
+    per_row, gen_rows, gen_tokens, first_start, reloads = [], 0, 0, None, []
     for records in rollout_workers.values():
         tokens_before = seconds_before = 0.0
         previous = None
         for r in records:
             if r.get("event") == "reload" and previous is not None and "shard" in previous:
-                reload_gaps.append(r["time"] - previous["time"])  # flush, then load: the load's seconds
+                reloads.append((previous["time"], r))  # flush, then load (once the version is out: below)
             previous = r
             if "shard" not in r:
                 continue
@@ -216,6 +234,7 @@ def calibrate(
             train_pickup_s = statistics.median(train_lags)
         if not annotate_lags or not train_lags:
             notes.append("a stage never waited for a shard: its pickup latency is not measured")
+    reload_gaps = _reload_gaps(reloads, train)
     reload_s = statistics.median(reload_gaps) if reload_gaps else base.reload_latency_s
     if not reload_gaps:
         notes.append("no reload records: reload latency from the configuration's default")

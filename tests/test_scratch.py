@@ -1,5 +1,6 @@
 """Temp folders named by their process (opd_cache/storage/scratch.py): what a SIGKILLed process left is removed by
-the next process that makes a folder of the same kind; live processes', other kinds' and other hosts' stay."""
+the next process that makes a folder of the same kind; live processes', other kinds', other hosts' and other pid
+namespaces' stay."""
 
 from __future__ import annotations
 
@@ -69,13 +70,15 @@ def test_only_dead_processes_folders_of_the_same_kind_and_host_are_removed(tmp_p
     dead = tmp_path / re.sub(r"pid\d+-$", f"pid{dead_pid}-abc", prefix)
     live_parent = tmp_path / re.sub(r"pid\d+-$", f"pid{os.getppid()}-abc", prefix)
     other_kind = tmp_path / re.sub(r"^opd-kind-", "opd-other-", dead.name)
-    other_host = tmp_path / f"opd-kind-someotherhost-pid{dead_pid}-abc"
-    for folder in (dead, live_parent, other_kind, other_host):
+    other_host = tmp_path / f"opd-kind-someotherhost-ns1-pid{dead_pid}-abc"
+    other_namespace = tmp_path / re.sub(r"-ns\d+-", "-ns1-", dead.name)  # a container of this host name
+    assert other_namespace.name != dead.name
+    for folder in (dead, live_parent, other_kind, other_host, other_namespace):
         (folder / "sub").mkdir(parents=True)
 
     assert owned_temp_prefix("opd-kind-") == prefix
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        p.name for p in (ours, live_parent, other_kind, other_host)
+        p.name for p in (ours, live_parent, other_kind, other_host, other_namespace)
     )
 
 

@@ -58,6 +58,8 @@ SKIPPED: dict[str, str] = {
     r" \[--": "a synopsis (optional flags in brackets)",
     r"/tmp/flow2/": "issue #25's A/B: four demos and two 60-step runs in two checkouts (docs/benchmarks.md)",
     r"examples/arithmetic_agent_cpu": "the multi-turn example's opd run: tests/test_agent_rollout.py runs it (slow)",
+    r"while True: pass|^kill \$burner": "a CPU burner beside the agent example's run, and its end (docs/agents.md: the "
+    "example measured under load)",
     r"runs/xtok-bar/": "the cross-tokenizer example's 800-step run and its measure: tests/test_cross_tokenizer_pipeline.py "
     "runs and measures it (slow; it made this test ~4 minutes of the default suite)",
 }

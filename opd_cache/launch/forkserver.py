@@ -108,14 +108,15 @@ def serve() -> None:
 def _run_stage(request: dict, ready_fd: int) -> int:
     """In the forked child: become the stage command and run it; returns its exit status."""
     os.setsid()
-    os.write(ready_fd, b"1")  # the server replies "started" only now (a signal to the group must reach us)
-    os.close(ready_fd)
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     devnull = os.open(os.devnull, os.O_RDONLY)
     for fd, target in ((devnull, 0), (log, 1), (log, 2)):
         os.dup2(fd, target)
     os.close(log)
     os.close(devnull)
+    # the server replies "started" only now: a signal to the group reaches us, and the log exists
+    os.write(ready_fd, b"1")
+    os.close(ready_fd)
     import io
 
     # unbuffered like the PYTHONUNBUFFERED=1 the stages' environment asks for (read only at a fresh start)

@@ -105,16 +105,15 @@ def _reload_gaps(reloads: list[tuple[float, dict]], train: list[dict]) -> list[f
     record at that policy version: written once the weights are handed to the publisher) to the reload record:
     the write, the bell and the load. A worker that flushed before the version was out waited for it, and that
     wait is the window's, not the reload's."""
-    published, published_at = sorted((r["policy_version"], r["time"]) for r in train), {}
-    for version, at in published:
-        published_at.setdefault(version, at)
+    published_at = {}
+    for r in sorted(train, key=lambda r: r["time"]):
+        published_at.setdefault(r["policy_version"], r["time"])
     versions = sorted(published_at)
     gaps = []
     for flushed, r in reloads:
-        i = bisect.bisect_left(versions, r["policy_version"])
-        out = published_at[versions[i]] if i < len(versions) else None
-        if out is not None:
-            gaps.append(r["time"] - max(flushed, out))
+        i = bisect.bisect_left(versions, r["policy_version"])  # that version, or the first one after it
+        if i < len(versions):
+            gaps.append(r["time"] - max(flushed, published_at[versions[i]]))
     return gaps
 
 
@@ -189,6 +188,7 @@ def calibrate(
             gen_tokens += r["tokens"]
             tokens_before, seconds_before = tokens, seconds
     rollout = _service(per_row[1:] or per_row)  # the first batch warms the engine up
+    shards = [r for recs in rollout_workers.values() for r in recs if "shard" in r]
 
     # annotate: per-shard seconds, per row
     annotated = [
@@ -225,7 +225,6 @@ def calibrate(
     # polls itself, and they are not part of the pickup)
     annotate_pickup_s, train_pickup_s = base.annotate_pickup_s, base.train_pickup_s
     if base.bells:
-        shards = [r for recs in rollout_workers.values() for r in recs if "shard" in r]
         annotate_lags = _annotate_pickup_lags(shards, _records(metrics, "annotate"))
         train_lags = _train_pickup_lags(train, annotated)
         if annotate_lags:
@@ -240,7 +239,6 @@ def calibrate(
         notes.append("no reload records: reload latency from the configuration's default")
 
     if cores is not None:
-        shards = [r for recs in rollout_workers.values() for r in recs if "shard" in r]
         cpu = {
             "rollout": _cpu_per_row(shards),
             "annotate": _cpu_per_row(annotated),
@@ -315,7 +313,6 @@ def calibrate(
         mean_staleness=staleness / trained if trained else 0.0,
         last_step_wait_s=train[-1]["data_wait_s"],
     )
-    shards = [r for recs in rollout_workers.values() for r in recs if "shard" in r]
     per_prompt = [
         (b["total_samples"] - a["total_samples"]) / (b["cursor"] - a["cursor"])
         for recs in rollout_workers.values()
